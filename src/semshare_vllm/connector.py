@@ -1,0 +1,131 @@
+"""``SemShareConnector``: the class vLLM loads. Thin: it validates the config and delegates to the
+scheduler half (``scheduler.py``) or the worker half (``worker.py``).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"SemShareConnector",
+        "kv_connector_module_path":"semshare_vllm.connector","kv_role":"kv_both"}'
+
+vLLM imports this module in the API server, the engine core, every worker and the stat loggers,
+so importing it loads no model and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.geometry import kv_geometry
+from semshare_vllm.metadata import SemShareConnectorMetadata
+from semshare_vllm.scheduler import SemShareScheduler
+from semshare_vllm.stats import SemShareStats
+from semshare_vllm.worker import SemShareWorker
+
+logger = logging.getLogger("vllm.semshare")
+
+
+class SemShareConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = SemShareConfig.from_extra_config(extra)
+        geometry = kv_geometry(vllm_config, kv_cache_config)
+        self.scheduler: SemShareScheduler | None = None
+        self.worker: SemShareWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A donor that cannot be loaded must cost a recompute, never the request: vLLM reads
+            # this policy right after building the scheduler-side connector.
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.scheduler = SemShareScheduler(self.config, geometry)
+            logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
+        else:
+            self.worker = SemShareWorker(self.config, geometry, vllm_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM calls this while building its config, in the API server: the earliest point at
+        # which a bad key can stop start-up with a clear message.
+        SemShareConfig.from_extra_config(extra_config)
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        # Called while the engine core sets up the KV cache, before any request: validate there
+        # too, for backends where the CUDA-graph hook above is not consulted (CPU, eager).
+        SemShareConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return None  # every layout has a KV view (kv_layout.py)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a lost capture is a future miss, nothing more
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]):
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    # ---- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SemShareConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
+    # ---- both ---------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self.scheduler or self.worker
+        return half.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return SemShareStats(data=dict(data)) if data is not None else SemShareStats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,118 @@
+"""On-disk format of a persisted donor: one safetensors file per (donor, tensor-parallel rank).
+
+``<persist_dir>/<fingerprint>/<donor_id>.tp<rank>of<size>.safetensors`` holds one tensor
+``kv`` of shape ``[layers, 2, tokens, kv_heads, head_size]`` (layout-independent, token-major) and
+string metadata: namespace, token ids, layer names, a blake2b checksum of the tensor bytes.
+The fingerprint directory keeps donors of another model, dtype or parallel layout apart.
+
+Files are written to a temporary name, fsynced and renamed, so a reader sees whole files or none;
+truncated or corrupted files are detected (size check from the header, checksum on load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+
+
+class CorruptDonorFile(RuntimeError):
+    """A persisted donor that cannot be used: truncated, corrupted, or of another format."""
+
+
+@dataclass(frozen=True)
+class DonorHeader:
+    path: Path
+    namespace: str
+    donor_id: str
+    token_ids: list[int]
+    layer_names: list[str]
+    checksum: str
+
+
+def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
+                head_size: int, tp_size: int) -> str:
+    """A short id of everything that must match for stored KV to be reusable."""
+    blob = json.dumps([model, dtype, layer_names, num_kv_heads, head_size, tp_size])
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def donor_path(root: Path, donor_id: str, tp_rank: int, tp_size: int) -> Path:
+    return root / f"{donor_id}.tp{tp_rank}of{tp_size}{SUFFIX}"
+
+
+def checksum(kv: torch.Tensor) -> str:
+    raw = kv.contiguous().view(torch.uint8).numpy()
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def write(path: Path, namespace: str, donor_id: str, token_ids: list[int],
+          layer_names: list[str], kv: torch.Tensor) -> None:
+    """Write a donor file atomically (temp file, fsync, rename)."""
+    kv = kv.contiguous()
+    meta = {
+        "format": FORMAT_VERSION,
+        "namespace": namespace,
+        "donor_id": donor_id,
+        "token_ids": json.dumps(token_ids),
+        "layer_names": json.dumps(layer_names),
+        "checksum": checksum(kv),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"kv": kv}, tmp, metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_header(path: Path) -> DonorHeader:
+    """Parse and sanity-check a donor file's header without reading its tensor data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size, 64 * 2**20):
+                raise CorruptDonorFile(f"{path}: header length {n} exceeds the file")
+            header = json.loads(f.read(n))
+        meta = header.pop("__metadata__")
+        end = max(int(t["data_offsets"][1]) for t in header.values())
+        if 8 + n + end != size:
+            raise CorruptDonorFile(f"{path}: {size} bytes, header promises {8 + n + end}")
+        if meta.get("format") != FORMAT_VERSION or set(header) != {"kv"}:
+            raise CorruptDonorFile(f"{path}: not a semshare donor file of format {FORMAT_VERSION}")
+        return DonorHeader(path=path, namespace=meta["namespace"], donor_id=meta["donor_id"],
+                           token_ids=json.loads(meta["token_ids"]),
+                           layer_names=json.loads(meta["layer_names"]),
+                           checksum=meta["checksum"])
+    except CorruptDonorFile:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CorruptDonorFile(f"{path}: unreadable donor file ({exc})") from exc
+
+
+def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
+    """Load a donor file and verify its checksum."""
+    header = read_header(path)
+    try:
+        kv = load_file(str(path))["kv"]
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptDonorFile(f"{path}: {exc}") from exc
+    if checksum(kv) != header.checksum:
+        raise CorruptDonorFile(f"{path}: checksum mismatch")
+    return header, kv

@@ -1,0 +1,69 @@
+"""Typed messages between the scheduler half and the worker half.
+
+Scheduler -> worker: ``SemShareConnectorMetadata`` (built once per step; pickled to worker
+processes, so plain lists only). Worker -> scheduler: ``SemShareWorkerMetadata`` (through vLLM's
+``build_connector_worker_meta`` back-channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class DonorKey:
+    """A donor is addressed by its namespace (the requests' ``cache_salt``, "" when none) and id."""
+
+    namespace: str
+    donor_id: str
+
+
+@dataclass
+class CaptureSpec:
+    """Copy ``num_tokens`` tokens of a finished request out of its blocks into the host store."""
+
+    req_id: str
+    key: DonorKey
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    """Write donor tokens ``[src_start, src_start + num_tokens)`` into the request's token
+    positions ``[dst_start, dst_start + num_tokens)``; ``block_ids`` are the request's blocks
+    (all of them, indexed by position // block_size)."""
+
+    req_id: str
+    key: DonorKey
+    src_start: int
+    dst_start: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class SemShareConnectorMetadata(KVConnectorMetadata):
+    # Order matters: the worker drops evictions, then captures, then loads, so a donor captured
+    # this step can already serve a load in the same step.
+    evictions: list[DonorKey] = field(default_factory=list)
+    captures: list[CaptureSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
+    """Donors the worker found unusable (missing, corrupt); the scheduler forgets them."""
+
+    bad_donors: list[DonorKey] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, SemShareWorkerMetadata)
+        merged = list(self.bad_donors)
+        merged.extend(k for k in other.bad_donors if k not in merged)
+        return SemShareWorkerMetadata(bad_donors=merged)

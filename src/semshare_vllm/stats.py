@@ -1,0 +1,85 @@
+"""Connector counters, reported through vLLM's KV-connector stats channel.
+
+Both halves count into a ``SemShareStats``; vLLM aggregates the worker's and the scheduler's
+per logging interval and prints ``reduce()`` as "KV Transfer metrics: ...". Each half also keeps
+running totals (``totals``) that tests and the benchmark read in-process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+# Every counter, with what it counts. Scheduler-side first, then worker-side.
+COUNTERS: dict[str, str] = {
+    "lookups": "requests the scheduler looked up",
+    "lookup_tokens": "prompt tokens looked up (beyond vLLM's own prefix cache)",
+    "hits": "requests served (partly) from a donor",
+    "hit_tokens": "prompt tokens claimed from donors",
+    "donors_registered": "finished requests accepted as donors",
+    "donors_evicted": "donors evicted (capacity) or dropped (found bad)",
+    "donors_restored": "donors found again in persist_dir at start-up",
+    "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
+    "fallbacks": "requests that fell back to compute because of a connector fault",
+    "loaded_tokens": "tokens written into the paged KV cache from donors",
+    "load_failures": "loads that failed (request recomputed those tokens)",
+    "captured_tokens": "tokens copied out of the paged KV cache into the host store",
+    "captured_donors": "donors captured",
+    "load_ms": "milliseconds spent loading donor KV",
+    "capture_ms": "milliseconds spent capturing donor KV",
+}
+
+
+@dataclass
+class SemShareStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {name: 0 for name in COUNTERS}
+
+    def add(self, name: str, value: float = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> "SemShareStats":
+        for name, value in other.data.items():
+            self.add(name, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: round(v, 2) if isinstance(v, float) else v
+                                       for k, v in self.data.items() if v}
+        if self.data.get("lookup_tokens"):
+            out["hit_token_rate"] = round(self.data["hit_tokens"] / self.data["lookup_tokens"], 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsRecorder:
+    """One half's counters: an interval ``SemShareStats`` handed to vLLM, plus running totals."""
+
+    def __init__(self) -> None:
+        self.totals: Counter[str] = Counter()
+        self._interval = SemShareStats()
+
+    def add(self, name: str, value: float = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        self.totals[name] += value
+        self._interval.add(name, value)
+
+    def take(self) -> SemShareStats | None:
+        """The interval's stats (None when nothing happened); starts a new interval."""
+        if self._interval.is_empty():
+            return None
+        out, self._interval = self._interval, SemShareStats()
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.totals)

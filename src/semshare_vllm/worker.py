@@ -1,0 +1,148 @@
+"""The worker half (each worker process): moves KV between the paged cache and the host store.
+
+Per step, in ``start_load_kv``: drop evicted donors, capture finished requests (paged cache ->
+host store), then load claimed tokens (host store -> the request's fresh blocks). Captures run
+before loads so a donor finished one step ago can serve a request in this step.
+
+Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
+bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
+recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.host_store import DonorUnavailable, HostKVStore
+from semshare_vllm.kv_layout import KVView, UnsupportedKVLayout, kv_view
+from semshare_vllm.metadata import (
+    CaptureSpec,
+    DonorKey,
+    LoadSpec,
+    SemShareConnectorMetadata,
+    SemShareWorkerMetadata,
+)
+from semshare_vllm.stats import StatsRecorder
+
+logger = logging.getLogger("vllm.semshare.worker")
+
+
+def slots_for(block_ids: list[int], start: int, num_tokens: int, block_size: int) -> torch.Tensor:
+    """Paged-cache slot of each token position in ``[start, start + num_tokens)``."""
+    pos = torch.arange(start, start + num_tokens, dtype=torch.long)
+    blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+class SemShareWorker:
+    def __init__(self, config: SemShareConfig, geometry: KVGeometry, vllm_config):
+        self.config = config
+        self.geometry = geometry
+        self._vllm_config = vllm_config
+        self.stats = StatsRecorder()
+        self.views: list[KVView] = []
+        self.store: HostKVStore | None = None
+        self.disabled: str | None = geometry.unsupported
+        self._finished_sending: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._bad_donors: list[DonorKey] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.disabled:
+            return
+        forward_ctx = self._vllm_config.compilation_config.static_forward_context
+        try:
+            for name in self.geometry.layer_names:
+                layer = forward_ctx.get(name)
+                backend = layer.attn_backend.get_name() if layer is not None else "?"
+                self.views.append(kv_view(kv_caches[name], backend, self.geometry.head_size))
+        except (UnsupportedKVLayout, KeyError) as exc:
+            self.disabled = f"KV layout not supported ({exc})"
+            self.views = []
+            logger.warning("SemShare disabled on this worker: %s", self.disabled)
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        root = None
+        if self.config.persist_dir:
+            root = Path(self.config.persist_dir) / self.geometry.fingerprint
+        self.store = HostKVStore(self.config.host_store_bytes, list(self.geometry.layer_names),
+                                 get_tensor_model_parallel_rank(), self.geometry.tp_size, root)
+
+    # ---- per step -----------------------------------------------------------------------------
+    def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
+        for key in meta.evictions:
+            if self.store is not None:
+                self.store.drop(key)
+        for spec in meta.captures:
+            self._capture(spec)
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _capture(self, spec: CaptureSpec) -> None:
+        self._finished_sending.add(spec.req_id)  # the blocks are released whatever happens
+        if self.store is None:
+            self._bad_donors.append(spec.key)
+            return
+        t0 = time.perf_counter()
+        try:
+            slots = slots_for(spec.block_ids, 0, len(spec.token_ids), self.geometry.block_size)
+            kv = torch.stack([torch.stack(view.read(slots)) for view in self.views])
+            self.store.put(spec.key, spec.token_ids, kv.cpu())
+        except Exception:
+            logger.exception("SemShare: capturing request %s failed; it is not a donor", spec.req_id)
+            self._bad_donors.append(spec.key)
+            return
+        self.stats.add("captured_donors")
+        self.stats.add("captured_tokens", len(spec.token_ids))
+        self.stats.add("capture_ms", (time.perf_counter() - t0) * 1e3)
+
+    def _load(self, spec: LoadSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.store is None:
+                raise DonorUnavailable(self.disabled or "no host store")
+            kv = self.store.get(spec.key)
+            if kv.shape[2] < spec.src_start + spec.num_tokens:
+                raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+            src = kv[:, :, spec.src_start:spec.src_start + spec.num_tokens]
+            slots = slots_for(spec.block_ids, spec.dst_start, spec.num_tokens,
+                              self.geometry.block_size)
+            for layer, view in enumerate(self.views):
+                view.write(slots, src[layer, 0], src[layer, 1])
+        except Exception as exc:
+            logger.warning("SemShare: loading donor %s for request %s failed (%s); "
+                           "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
+            bs = self.geometry.block_size
+            first, last = spec.dst_start // bs, (spec.dst_start + spec.num_tokens - 1) // bs
+            self._invalid_blocks.update(spec.block_ids[first:last + 1])
+            self._bad_donors.append(spec.key)
+            self.stats.add("load_failures")
+            return
+        self.stats.add("loaded_tokens", spec.num_tokens)
+        self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
+
+    # ---- reports back to the scheduler --------------------------------------------------------
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done, self._finished_sending = self._finished_sending, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def build_worker_meta(self) -> SemShareWorkerMetadata | None:
+        if not self._bad_donors:
+            return None
+        meta, self._bad_donors = SemShareWorkerMetadata(self._bad_donors), []
+        return meta
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
