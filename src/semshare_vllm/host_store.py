@@ -76,12 +76,16 @@ class HostKVStore:
         return kv
 
     def drop(self, key: DonorKey) -> None:
+        self.drop_memory(key)
+        if self._disk_q is not None:
+            self._disk_q.put(("delete", key, None, None))
+
+    def drop_memory(self, key: DonorKey) -> None:
+        """Free the in-memory copy only; a persisted file stays and is read back on next use."""
         with self._lock:
             kv = self._mem.pop(key, None)
             if kv is not None:
                 self.used_bytes -= kv.nbytes
-        if self._disk_q is not None:
-            self._disk_q.put(("delete", key, None, None))
 
     def __contains__(self, key: DonorKey) -> bool:
         return key in self._mem

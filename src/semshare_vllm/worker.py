@@ -61,7 +61,10 @@ class SemShareWorker:
             for name in self.geometry.layer_names:
                 layer = forward_ctx.get(name)
                 backend = layer.attn_backend.get_name() if layer is not None else "?"
-                self.views.append(kv_view(kv_caches[name], backend, self.geometry.head_size))
+                isa = getattr(layer, "isa", None) or getattr(getattr(layer, "impl", None),
+                                                             "isa", None)
+                self.views.append(kv_view(kv_caches[name], backend, self.geometry.head_size,
+                                          cpu_isa=isa))
         except (UnsupportedKVLayout, KeyError) as exc:
             self.disabled = f"KV layout not supported ({exc})"
             self.views = []

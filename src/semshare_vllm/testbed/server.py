@@ -1,0 +1,134 @@
+"""A real ``vllm serve`` on loopback, started and stopped by PID, plus a streaming client.
+
+Used by the end-to-end tests, the demo and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+SEMSHARE = {"kv_connector": "SemShareConnector",
+            "kv_connector_module_path": "semshare_vllm.connector", "kv_role": "kv_both"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Completion:
+    text: str
+    ttft_s: float
+    total_s: float
+    cached_tokens: int | None
+    prompt_tokens: int | None
+
+
+class VllmServer:
+    """``vllm serve MODEL`` in its own process group; use as a context manager."""
+
+    def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
+                 extra_args: list[str] | None = None, log_path: str | Path | None = None,
+                 max_model_len: int = 4096, served_name: str = "model"):
+        self.model = str(model)
+        self.served_name = served_name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        cli = Path(sys.executable).with_name("vllm")
+        self.cmd = [str(cli), "serve", self.model, "--served-model-name", served_name,
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                    "--enforce-eager", "--no-enable-prefix-caching",
+                    "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details"]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.cmd += list(extra_args or [])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600) -> "VllmServer":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_HOST_IP="127.0.0.1")
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; "
+                                   f"log: {self.log_path}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vllm serve not ready after {timeout_s}s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        # Children (engine core) share the process group; make sure none is left behind.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16,
+                 cache_salt: str | None = None, timeout_s: float = 600) -> Completion:
+        """Greedy streaming completion; TTFT is measured client-side to the first text chunk."""
+        body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        t0 = time.perf_counter()
+        ttft, text, usage = None, [], {}
+        with requests.post(self.url + "/v1/completions", json=body, stream=True,
+                           timeout=timeout_s) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(chunk["choices"][0].get("text", ""))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return Completion("".join(text), ttft if ttft is not None else float("nan"),
+                          time.perf_counter() - t0, details.get("cached_tokens"),
+                          usage.get("prompt_tokens"))
+
+    def metrics(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=10).text
