@@ -1,0 +1,49 @@
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from semshare_vllm.config import SemShareConfig, SemShareConfigError
+
+
+def test_defaults():
+    cfg = SemShareConfig.from_extra_config({}, environ={})
+    assert cfg == SemShareConfig()
+    assert cfg.persist_dir is None and cfg.capture is True
+
+
+def test_values_and_sizes():
+    cfg = SemShareConfig.from_extra_config(
+        {"host_store_bytes": "512MiB", "persist_dir": "/tmp/x", "min_reuse_tokens": 64},
+        environ={})
+    assert cfg.host_store_bytes == 512 * 2**20
+    assert cfg.persist_dir == "/tmp/x" and cfg.min_reuse_tokens == 64
+
+
+def test_environment_overrides_extra_config():
+    cfg = SemShareConfig.from_extra_config(
+        {"capture": True}, environ={"SEMSHARE_CAPTURE": "false", "SEMSHARE_HOST_STORE_BYTES": "1GB",
+                                    "SEMSHARE_CACHE_DIR": "/elsewhere"})
+    assert cfg.capture is False and cfg.host_store_bytes == 10**9
+
+
+@pytest.mark.parametrize("extra, environ, named", [
+    ({"host_store_byte": 1}, {}, "host_store_byte"),                 # typo
+    ({"capture": "yes"}, {}, "capture"),                               # JSON wants a bool
+    ({"min_reuse_tokens": 0}, {}, "min_reuse_tokens"),                 # out of range
+    ({"min_donor_tokens": 1.5}, {}, "min_donor_tokens"),               # wrong type
+    ({"host_store_bytes": "lots"}, {}, "host_store_bytes"),            # not a size
+    ({"persist_dir": 3}, {}, "persist_dir"),
+    ({}, {"SEMSHARE_MIN_REUSE_TOKENS": "ten"}, "SEMSHARE_MIN_REUSE_TOKENS"),
+    ({}, {"SEMSHARE_CAPTUR": "1"}, "SEMSHARE_CAPTUR"),                 # unknown variable
+])
+def test_bad_config_names_the_key(extra, environ, named):
+    with pytest.raises(SemShareConfigError, match=re.escape(named)):
+        SemShareConfig.from_extra_config(extra, environ=environ)
+
+
+def test_readme_documents_every_key():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for f in dataclasses.fields(SemShareConfig):
+        assert f"`{f.name}`" in readme, f"README does not document {f.name}"

@@ -1,0 +1,84 @@
+"""Both KV layouts: a token written through a view is read back, and lands where the backend's
+own reader expects it (packed: K|V in the last dim; CPU: where vLLM's CPU cache-write op puts it)."""
+
+import pytest
+import torch
+
+from semshare_vllm.kv_layout import (
+    PackedKVView,
+    UnsupportedKVLayout,
+    calibrate_cpu_pages,
+    kv_view,
+)
+
+B, H, N, D = 6, 2, 32, 32
+
+
+def tokens(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, H, D, generator=g), torch.randn(t, H, D, generator=g)
+
+
+def test_packed_view_matches_flash_attn_reading():
+    kv = torch.zeros(B, H, N, 2 * D)
+    view = kv_view(kv, "FLASH_ATTN", D)
+    slots = torch.tensor([0, 5, 33, 100, 191])
+    k, v = tokens(len(slots), 0)
+    view.write(slots, k, v)
+    # FLASH_ATTN reads kv.transpose(1, 2).split(D, -1): K/V of token n of block b at [b, n, h]
+    key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
+    for i, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(key_cache[s // N, s % N], k[i])
+        torch.testing.assert_close(value_cache[s // N, s % N], v[i])
+    rk, rv = view.read(slots)
+    torch.testing.assert_close(rk, k)
+    torch.testing.assert_close(rv, v)
+
+
+def test_packed_view_on_token_major_physical_layout():
+    # LBNHC: each token's [H, 2D] contiguous; the logical [B, H, N, C] is a permuted view.
+    physical = torch.zeros(B, N, H, 2 * D)
+    kv = physical.permute(0, 2, 1, 3)
+    view = PackedKVView(kv, D)
+    slots = torch.tensor([3, 64, 65])
+    k, v = tokens(3, 1)
+    view.write(slots, k, v)
+    torch.testing.assert_close(physical[2, 0, :, :D], k[1])
+    torch.testing.assert_close(physical[2, 1, :, D:], v[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_view_agrees_with_vllm_cache_write(dtype):
+    """Write with vLLM's own CPU op, read with our view (and the reverse)."""
+    from vllm import _custom_ops as ops
+
+    kv = torch.zeros(B, H, N, 2 * D, dtype=dtype)
+    view = kv_view(kv, "CPU_ATTN", D, cpu_isa="vec")
+    slots = torch.tensor([1, 2, 40, 63, 64, 150])
+    k, v = (x.to(dtype) for x in tokens(len(slots), 2))
+    key_cache, value_cache = kv.view(B, H, 2 * N, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    rk, rv = view.read(slots)
+    torch.testing.assert_close(rk, k)
+    torch.testing.assert_close(rv, v)
+    # ...and our write is byte-identical to the op's write.
+    ours = torch.zeros_like(kv)
+    kv_view(ours, "CPU_ATTN", D, cpu_isa="vec").write(slots, k, v)
+    assert torch.equal(ours, kv)
+
+
+def test_cpu_vec_kernel_stores_k_transposed():
+    """The fact the calibration exists for: on the vec ISA, K pages are [D, N], V pages [N, D]."""
+    k_pos, v_pos = calibrate_cpu_pages(N, D, torch.float32, "vec")
+    n, d = torch.meshgrid(torch.arange(N), torch.arange(D), indexing="ij")
+    assert torch.equal(k_pos, d * N + n)
+    assert torch.equal(v_pos, n * D + d)
+
+
+def test_unsupported_layouts_are_refused():
+    with pytest.raises(UnsupportedKVLayout):
+        kv_view(torch.zeros(B, 1, N, 576), "FLASH_ATTN", 64)  # MLA-like latent cache
+    with pytest.raises(UnsupportedKVLayout):
+        kv_view(torch.zeros(B, H, N, 2 * D), "SOME_NEW_BACKEND", D)
+    with pytest.raises(UnsupportedKVLayout):
+        kv_view(torch.zeros(B, H, N, 2 * D), "CPU_ATTN", D)  # no ISA known
