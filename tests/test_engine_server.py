@@ -1,0 +1,86 @@
+"""End to end through a real `vllm serve` (OpenAI API on loopback), started and stopped by PID:
+the README's quick start, tenant isolation over HTTP, and donors surviving a restart, with a
+corrupt persisted donor skipped."""
+
+import re
+
+import pytest
+
+from semshare_vllm import donor_file
+from semshare_vllm.testbed import models
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+Q1 = "\n\nQuestion: What is the text above about? Answer:"
+Q2 = "\n\nSummarize the passage above in one sentence:"
+DOCS = {name: wiki_document(start, 1500) for name, start in [("kept", 300), ("cut", 340)]}
+ARGS = ["--block-size", "32", "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(models.tiny_llama())
+
+
+@pytest.fixture(scope="module")
+def cold(model, tmp_path_factory):
+    """Answers of vLLM itself, no connector."""
+    log = tmp_path_factory.mktemp("logs") / "cold.log"
+    with VllmServer(model, None, ARGS, log) as srv:
+        return {name: srv.complete(doc + Q2).text for name, doc in DOCS.items()}
+
+
+def semshare_server(model, persist_dir, log):
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"persist_dir": str(persist_dir)})
+    return VllmServer(model, cfg, ARGS, log)
+
+
+def wait_for_files(persist_dir, n, srv, timeout_s=60):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = [f for f in persist_dir.glob("*/*.safetensors") if not f.name.startswith(".")]
+        if len(files) >= n:
+            return files
+        srv.complete("ping " * 3, max_tokens=1)  # keep the engine stepping
+        time.sleep(0.5)
+    raise AssertionError(f"expected {n} persisted donors, found {files}")
+
+
+def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
+    persist = tmp_path / "donors"
+    with semshare_server(model, persist, tmp_path / "serve1.log") as srv:
+        for name, doc in DOCS.items():
+            first = srv.complete(doc + Q1)
+            assert first.cached_tokens == 0
+        hit = srv.complete(DOCS["kept"] + Q2)
+        assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
+        assert hit.text == cold["kept"]
+        other = srv.complete(DOCS["kept"] + Q2, cache_salt="another-tenant")
+        assert other.cached_tokens == 0 and other.text == cold["kept"]
+        metrics = srv.metrics()
+        external = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics,
+                             re.M)
+        assert external and float(external.group(1)) >= hit.cached_tokens
+        files = wait_for_files(persist, 3, srv)  # kept, cut, and the hit request itself
+
+    # Truncate every persisted donor of the "cut" document, then restart on the same directory.
+    cut_title = DOCS["cut"].split("\n")[0]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    cut = [f for f in files if cut_title in tok.decode(donor_file.read_header(f).token_ids[:40])]
+    assert cut
+    for f in cut:
+        f.write_bytes(f.read_bytes()[:-1000])
+
+    with semshare_server(model, persist, tmp_path / "serve2.log") as srv:
+        restored = srv.complete(DOCS["kept"] + Q2)
+        assert restored.cached_tokens >= 0.8 * restored.prompt_tokens  # from disk, after restart
+        assert restored.text == cold["kept"]
+        skipped = srv.complete(DOCS["cut"] + Q2)
+        assert skipped.cached_tokens == 0 and skipped.text == cold["cut"]
+        assert "skipping persisted donor" in srv.log_text()
