@@ -24,6 +24,26 @@ from semshare_vllm.metadata import DonorKey
 logger = logging.getLogger("vllm.semshare.store")
 
 
+# Never plan to hold more than this share of the host memory still available when the store is
+# set up: on CPU, vLLM sizes its own KV cache to most of RAM (20 GiB of 24 when
+# VLLM_CPU_KVCACHE_SPACE is unset), and a worker killed for memory fails every request.
+MAX_AVAILABLE_FRACTION = 0.5
+
+
+def fit_to_memory(budget: int, tp_size: int = 1) -> int:
+    """``budget`` (bytes per rank), lowered to fit the host memory available now."""
+    import psutil
+
+    ceiling = int(psutil.virtual_memory().available * MAX_AVAILABLE_FRACTION) // max(tp_size, 1)
+    if budget > ceiling:
+        logger.warning("SemShare: host_store_bytes=%d exceeds %.0f%% of available host memory; "
+                       "using %d bytes per rank (set VLLM_CPU_KVCACHE_SPACE lower on CPU, or "
+                       "host_store_bytes explicitly)", budget, 100 * MAX_AVAILABLE_FRACTION,
+                       ceiling)
+        return ceiling
+    return budget
+
+
 class DonorUnavailable(RuntimeError):
     """The donor is neither in memory nor readable from disk."""
 

@@ -23,6 +23,7 @@ from semshare_vllm.donor_index import (
     donor_id_for,
 )
 from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.host_store import fit_to_memory
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -44,8 +45,9 @@ class SemShareScheduler:
         self.config = config
         self.geometry = geometry
         self.stats = StatsRecorder()
+        # Built after vLLM allocated its KV cache, so the memory check sees what is really left.
         self.index = DonorIndex(geometry.block_size,
-                                config.host_store_bytes)
+                                fit_to_memory(config.host_store_bytes, geometry.tp_size))
         self._matches: dict[str, PrefixMatch] = {}     # req_id -> match offered this step
         self._loads: list[LoadSpec] = []
         self._captures: list[CaptureSpec] = []

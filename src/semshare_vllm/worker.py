@@ -19,7 +19,7 @@ import torch
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
-from semshare_vllm.host_store import DonorUnavailable, HostKVStore
+from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
 from semshare_vllm.kv_layout import KVView, UnsupportedKVLayout, kv_view
 from semshare_vllm.metadata import (
     CaptureSpec,
@@ -75,7 +75,8 @@ class SemShareWorker:
         root = None
         if self.config.persist_dir:
             root = Path(self.config.persist_dir) / self.geometry.fingerprint
-        self.store = HostKVStore(self.config.host_store_bytes, list(self.geometry.layer_names),
+        capacity = fit_to_memory(self.config.host_store_bytes, self.geometry.tp_size)
+        self.store = HostKVStore(capacity, list(self.geometry.layer_names),
                                  get_tensor_model_parallel_rank(), self.geometry.tp_size, root)
 
     # ---- per step -----------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class VllmServer:
     def start(self, timeout_s: float = 600) -> "VllmServer":
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_HOST_IP="127.0.0.1")
+        # Unset, vLLM-CPU gives its KV cache ~85% of RAM; leave room for everything else.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

