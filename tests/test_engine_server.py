@@ -84,3 +84,16 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         skipped = srv.complete(DOCS["cut"] + Q2)
         assert skipped.cached_tokens == 0 and skipped.text == cold["cut"]
         assert "skipping persisted donor" in srv.log_text()
+
+
+def test_bad_config_stops_startup_naming_the_key(model, tmp_path):
+    """No module path: the name resolves through our vllm.general_plugins entry point; the typo'd
+    key then stops start-up with one error that names it."""
+    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"host_store_byte": "1GiB"}}
+    srv = VllmServer(model, cfg, ARGS, tmp_path / "bad.log")
+    with pytest.raises(RuntimeError, match="exited"):
+        srv.start(timeout_s=300)
+    log = srv.log_text()
+    assert "SemShareConfigError" in log
+    assert "unknown key 'host_store_byte'" in log and "host_store_bytes" in log

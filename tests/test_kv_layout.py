@@ -82,3 +82,41 @@ def test_unsupported_layouts_are_refused():
         kv_view(torch.zeros(B, H, N, 2 * D), "SOME_NEW_BACKEND", D)
     with pytest.raises(UnsupportedKVLayout):
         kv_view(torch.zeros(B, H, N, 2 * D), "CPU_ATTN", D)  # no ISA known
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
+@pytest.mark.parametrize("start, count", [(0, 96), (5, 100), (32, 32), (40, 10), (7, 150)])
+def test_range_io_equals_slot_io(backend, start, count):
+    """Whole blocks go the fast page-copy way, partial blocks slot by slot: same bytes either way."""
+    from semshare_vllm.kv_layout import read_range, slots_for, write_range
+
+    block_ids = [5, 2, 4, 0, 3, 1]  # a request's blocks, in position order
+    k, v = tokens(count, 3)
+    fast = torch.zeros(B, H, N, 2 * D)
+    slow = torch.zeros(B, H, N, 2 * D)
+    fast_view = kv_view(fast, backend, D, cpu_isa="vec")
+    slow_view = kv_view(slow, backend, D, cpu_isa="vec")
+    write_range(fast_view, block_ids, start, k, v)
+    slow_view.write(slots_for(block_ids, start, start + count, N), k, v)
+    assert torch.equal(fast, slow)
+    rk, rv = read_range(fast_view, block_ids, start, count)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+def test_any_page_permutation_block_and_slot_paths_agree():
+    """A kernel with some other in-page order (say, another ISA's tiling) is still served."""
+    from semshare_vllm.kv_layout import PagedRegionKVView, read_range, write_range
+
+    g = torch.Generator().manual_seed(4)
+    k_pos = torch.randperm(N * D, generator=g).view(N, D)
+    v_pos = torch.randperm(N * D, generator=g).view(N, D)
+    fast, slow = torch.zeros(B, H, N, 2 * D), torch.zeros(B, H, N, 2 * D)
+    k, v = tokens(3 * N, 5)
+    write_range(PagedRegionKVView(fast, D, k_pos, v_pos), [4, 1, 2], 0, k, v)
+    slow_view = PagedRegionKVView(slow, D, k_pos, v_pos)
+    slow_view.write(torch.cat([torch.arange(N) + b * N for b in (4, 1, 2)]), k, v)
+    assert torch.equal(fast, slow)
+    # the page really is permuted: element (n=0, d=1) of block 4, head 0 sits at k_pos[0, 1]
+    assert fast.view(B, H, 2, N * D)[4, 0, 0, k_pos[0, 1]] == k[0, 0, 1]
+    rk, rv = read_range(PagedRegionKVView(fast, D, k_pos, v_pos), [4, 1, 2], 0, 3 * N)
+    assert torch.equal(rk, k) and torch.equal(rv, v)

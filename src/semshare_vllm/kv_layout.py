@@ -12,7 +12,9 @@ tensor per layer, C = 2 * head_size, but backends lay tokens out differently:
   exactly where the kernel does, for any ISA.
 
 Both offer ``read(slots) -> (K, V)`` and ``write(slots, K, V)`` with ``[len(slots), H, D]``
-tensors, ``slot = block_id * block_size + offset``.
+tensors, ``slot = block_id * block_size + offset``, and the same for whole blocks
+(``read_blocks`` / ``write_blocks``: page copies, several times faster). ``read_range`` and
+``write_range`` move a run of token positions, whole blocks the fast way.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class KVView(Protocol):
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``[len(slots), H, D]`` K and V into the given slots."""
 
+    def read_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every token of the given blocks, ``[len(blocks) * N, H, D]`` each."""
+
+    def write_blocks(self, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fill whole blocks from ``[len(blocks) * N, H, D]`` K and V."""
+
 
 def _split_slots(slots: torch.Tensor, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     slots = slots.to(device=device, dtype=torch.long)
@@ -64,6 +72,16 @@ class PackedKVView:
         self.k[blocks, :, offsets] = k.to(device=self.k.device, dtype=self.k.dtype)
         self.v[blocks, :, offsets] = v.to(device=self.v.device, dtype=self.v.dtype)
 
+    def read_blocks(self, blocks):
+        blocks = blocks.to(self.k.device)
+        return tuple(x[blocks].transpose(1, 2).flatten(0, 1) for x in (self.k, self.v))
+
+    def write_blocks(self, blocks, k, v):
+        blocks = blocks.to(self.k.device)
+        for dst, src in ((self.k, k), (self.v, v)):
+            pages = src.to(device=dst.device, dtype=dst.dtype).unflatten(0, (-1, self.block_size))
+            dst[blocks] = pages.transpose(1, 2)
+
 
 class PagedRegionKVView:
     """Pages of ``2 * N * D`` elements: K region then V region, each in a learned element order.
@@ -83,6 +101,7 @@ class PagedRegionKVView:
         self.block_size = block_size
         self.k_pos = k_pos.to(kv_cache.device)
         self.v_pos = v_pos.to(kv_cache.device)
+        self._orders = tuple(_page_order(p) for p in (self.k_pos, self.v_pos))
 
     def _index(self, slots, pos):
         blocks, offsets = _split_slots(slots, self.block_size, self.k_flat.device)
@@ -99,6 +118,92 @@ class PagedRegionKVView:
         dt, dev = self.k_flat.dtype, self.k_flat.device
         self.k_flat[b, :, kp] = k.to(device=dev, dtype=dt).transpose(1, 2)
         self.v_flat[b, :, vp] = v.to(device=dev, dtype=dt).transpose(1, 2)
+
+    def read_blocks(self, blocks):
+        blocks = blocks.to(self.k_flat.device)
+        out = []
+        for flat, order in zip((self.k_flat, self.v_flat), self._orders):
+            pages = flat[blocks]  # [b, H, N*D] in the kernel's order
+            if isinstance(order, torch.Tensor):  # any other permutation: gather token-major
+                pages = pages.index_select(2, order.flatten())
+                order = "nd"
+            if order == "nd":
+                tokens = pages.unflatten(2, (self.block_size, -1)).transpose(1, 2)
+            else:  # "dn": the page is K transposed
+                tokens = pages.unflatten(2, (-1, self.block_size)).permute(0, 3, 1, 2)
+            out.append(tokens.flatten(0, 1))
+        return out[0], out[1]
+
+    def write_blocks(self, blocks, k, v):
+        blocks = blocks.to(self.k_flat.device)
+        for flat, order, src in zip((self.k_flat, self.v_flat), self._orders, (k, v)):
+            src = src.to(device=flat.device, dtype=flat.dtype).unflatten(0, (-1, self.block_size))
+            if order == "dn":
+                pages = src.permute(0, 2, 3, 1).flatten(2)  # [b, H, D*N]
+            else:
+                pages = src.transpose(1, 2).flatten(2)  # [b, H, N*D] token-major
+                if isinstance(order, torch.Tensor):
+                    pages = pages.index_select(2, torch.argsort(order.flatten()))
+            flat[blocks] = pages
+
+
+def _page_order(pos: torch.Tensor):
+    """'nd' (token rows), 'dn' (transposed), or the position table itself for anything else."""
+    n, d = pos.shape
+    nn, dd = torch.meshgrid(torch.arange(n), torch.arange(d), indexing="ij")
+    if torch.equal(pos.cpu(), nn * d + dd):
+        return "nd"
+    if torch.equal(pos.cpu(), dd * n + nn):
+        return "dn"
+    return pos
+
+
+def _runs(block_ids: list[int], start: int, num_tokens: int, block_size: int):
+    """Split positions [start, start + num_tokens) into (first, stop, whole_blocks) pieces:
+    whole_blocks is a tensor of block ids when the piece is made of whole blocks, else None."""
+    end = start + num_tokens
+    head_end = min(end, -(-start // block_size) * block_size)
+    body_end = max(head_end, end // block_size * block_size)
+    pieces = []
+    if head_end > start:
+        pieces.append((start, head_end, None))
+    if body_end > head_end:
+        ids = block_ids[head_end // block_size: body_end // block_size]
+        pieces.append((head_end, body_end, torch.as_tensor(ids, dtype=torch.long)))
+    if end > body_end:
+        pieces.append((body_end, end, None))
+    return pieces
+
+
+def slots_for(block_ids: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Paged-cache slot of each token position in ``[start, stop)``."""
+    pos = torch.arange(start, stop, dtype=torch.long)
+    blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def read_range(view: KVView, block_ids: list[int], start: int,
+               num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (``[num_tokens, H, D]``) of positions ``[start, start + num_tokens)`` of a request
+    whose blocks are ``block_ids``."""
+    ks, vs = [], []
+    for first, stop, whole in _runs(block_ids, start, num_tokens, view.block_size):
+        k, v = (view.read_blocks(whole) if whole is not None
+                else view.read(slots_for(block_ids, first, stop, view.block_size)))
+        ks.append(k)
+        vs.append(v)
+    return torch.cat(ks), torch.cat(vs)
+
+
+def write_range(view: KVView, block_ids: list[int], start: int, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Write ``[T, H, D]`` K and V into positions ``[start, start + T)``."""
+    for first, stop, whole in _runs(block_ids, start, k.shape[0], view.block_size):
+        kk, vv = k[first - start:stop - start], v[first - start:stop - start]
+        if whole is not None:
+            view.write_blocks(whole, kk, vv)
+        else:
+            view.write(slots_for(block_ids, first, stop, view.block_size), kk, vv)
 
 
 @functools.lru_cache(maxsize=16)  # one calibration serves every layer of the same shape

@@ -20,7 +20,7 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
-from semshare_vllm.kv_layout import KVView, UnsupportedKVLayout, kv_view
+from semshare_vllm.kv_layout import KVView, UnsupportedKVLayout, kv_view, read_range, write_range
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -31,13 +31,6 @@ from semshare_vllm.metadata import (
 from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.worker")
-
-
-def slots_for(block_ids: list[int], start: int, num_tokens: int, block_size: int) -> torch.Tensor:
-    """Paged-cache slot of each token position in ``[start, start + num_tokens)``."""
-    pos = torch.arange(start, start + num_tokens, dtype=torch.long)
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size]
-    return blocks * block_size + pos % block_size
 
 
 class SemShareWorker:
@@ -96,8 +89,9 @@ class SemShareWorker:
             return
         t0 = time.perf_counter()
         try:
-            slots = slots_for(spec.block_ids, 0, len(spec.token_ids), self.geometry.block_size)
-            kv = torch.stack([torch.stack(view.read(slots)) for view in self.views])
+            n = len(spec.token_ids)
+            kv = torch.stack([torch.stack(read_range(view, spec.block_ids, 0, n))
+                              for view in self.views])
             self.store.put(spec.key, spec.token_ids, kv.cpu())
         except Exception:
             logger.exception("SemShare: capturing request %s failed; it is not a donor", spec.req_id)
@@ -116,10 +110,8 @@ class SemShareWorker:
             if kv.shape[2] < spec.src_start + spec.num_tokens:
                 raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
             src = kv[:, :, spec.src_start:spec.src_start + spec.num_tokens]
-            slots = slots_for(spec.block_ids, spec.dst_start, spec.num_tokens,
-                              self.geometry.block_size)
             for layer, view in enumerate(self.views):
-                view.write(slots, src[layer, 0], src[layer, 1])
+                write_range(view, spec.block_ids, spec.dst_start, src[layer, 0], src[layer, 1])
         except Exception as exc:
             logger.warning("SemShare: loading donor %s for request %s failed (%s); "
                            "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
