@@ -94,10 +94,14 @@ def test_exact_prefix_hit_equals_cold(llm, sched, worker, cases, reference):
     a, b, doc_len = cases["hit"]
     run(llm, a)
     hits, loaded = sched.stats.totals["hit_tokens"], worker.stats.totals["loaded_tokens"]
+    copied = worker.stats.totals["block_copied_tokens"]
     out = run(llm, b)
     claimed = sched.stats.totals["hit_tokens"] - hits
     assert claimed == expected_claim(doc_len, len(b)) > 0.8 * doc_len
     assert worker.stats.totals["loaded_tokens"] - loaded == claimed
+    # `a` finished one step before `b` arrived: its capture was still running, so `b` was served
+    # from a's blocks (the host-store path is covered by the tenant test).
+    assert worker.stats.totals["block_copied_tokens"] - copied == claimed
     assert out["num_cached_tokens"] == claimed
     ref = reference[tuple(b)]
     assert ref["num_cached_tokens"] == 0
@@ -105,7 +109,7 @@ def test_exact_prefix_hit_equals_cold(llm, sched, worker, cases, reference):
     assert max(abs(x - y) for x, y in zip(out["logprobs"], ref["logprobs"])) < 1e-3
 
 
-def test_tenants_never_share_donors(llm, sched, cases, reference):
+def test_tenants_never_share_donors(llm, sched, worker, cases, reference):
     a, b, doc_len = cases["tenant"]
     run(llm, a, salt="tenant-1")
     hits = sched.stats.totals["hit_tokens"]
@@ -114,7 +118,10 @@ def test_tenants_never_share_donors(llm, sched, cases, reference):
     assert sched.stats.totals["hit_tokens"] == hits
     assert other["num_cached_tokens"] == unsalted["num_cached_tokens"] == 0
     assert other["token_ids"] == reference[tuple(b)]["token_ids"]
-    same = run(llm, b, salt="tenant-1")
+    worker.flush_captures()
+    copied = worker.stats.totals["block_copied_tokens"]
+    same = run(llm, b, salt="tenant-1")  # served from the host store
+    assert worker.stats.totals["block_copied_tokens"] == copied
     assert same["num_cached_tokens"] == expected_claim(doc_len, len(b))
     assert same["token_ids"] == reference[tuple(b)]["token_ids"]
 
@@ -128,7 +135,8 @@ def test_poisoned_donor_changes_output(llm, sched, worker, cases, reference):
     """Zeroing the stored donor must change the answer: the loaded KV is really attended to."""
     a, b, _ = cases["poison"]
     key = donor_key(a, run(llm, a))
-    run(llm, cases["filler"])  # one more engine step: the capture of `a` completes
+    run(llm, cases["filler"])  # one more engine step: the capture of `a` starts...
+    worker.flush_captures()  # ...and we wait for it
     assert key in sched.index and key in worker.store
     with torch.inference_mode():  # the store holds the engine's inference-mode tensors
         worker.store.get(key).zero_()
@@ -143,6 +151,7 @@ def test_corrupt_persisted_donor_is_recomputed(llm, sched, worker, cases, refere
     a, b, _ = cases["corrupt"]
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
+    worker.flush_captures()
     worker.store.flush()
     path = worker.store._path(key)
     assert path.is_file()
@@ -167,6 +176,7 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     a, _, _ = cases["hf"]
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
+    worker.flush_captures()
     stored = worker.store.get(key)[:, :, : len(a)]  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():

@@ -25,6 +25,7 @@ COUNTERS: dict[str, str] = {
     "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
     "fallbacks": "requests that fell back to compute because of a connector fault",
     "loaded_tokens": "tokens written into the paged KV cache from donors",
+    "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",

@@ -1,8 +1,10 @@
 """The worker half (each worker process): moves KV between the paged cache and the host store.
 
-Per step, in ``start_load_kv``: drop evicted donors, capture finished requests (paged cache ->
-host store), then load claimed tokens (host store -> the request's fresh blocks). Captures run
-before loads so a donor finished one step ago can serve a request in this step.
+Per step, in ``start_load_kv``: drop evicted donors, start capturing finished requests (paged
+cache -> host store, on a background thread: the step does not wait for it), then load claimed
+tokens into the request's fresh blocks. A load whose donor is still being captured copies straight
+from the donor's blocks, which vLLM keeps until the capture is reported done (``delay_free`` +
+``finished_sending``).
 
 Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
 bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,6 +46,9 @@ class SemShareWorker:
         self.store: HostKVStore | None = None
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
+        # donor -> (its capture order, the copy running on the capture thread)
+        self._capturing: dict[DonorKey, tuple[CaptureSpec, Future]] = {}
+        self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-capture")
         self._invalid_blocks: set[int] = set()
         self._bad_donors: list[DonorKey] = []
 
@@ -75,6 +81,7 @@ class SemShareWorker:
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
         for key in meta.evictions:
+            self._settle(key)
             if self.store is not None:
                 self.store.drop(key)
         for spec in meta.captures:
@@ -83,29 +90,58 @@ class SemShareWorker:
             self._load(spec)
 
     def _capture(self, spec: CaptureSpec) -> None:
-        self._finished_sending.add(spec.req_id)  # the blocks are released whatever happens
         if self.store is None:
+            self._finished_sending.add(spec.req_id)  # release the blocks, keep nothing
             self._bad_donors.append(spec.key)
             return
+        self._capturing[spec.key] = (spec, self._capture_thread.submit(self._copy_out, spec))
+
+    def _copy_out(self, spec: CaptureSpec) -> float:
+        """On the capture thread: the donor's KV from its blocks into one host tensor."""
         t0 = time.perf_counter()
-        try:
-            n = len(spec.token_ids)
-            kv = torch.stack([torch.stack(read_range(view, spec.block_ids, 0, n))
-                              for view in self.views])
-            self.store.put(spec.key, spec.token_ids, kv.cpu())
-        except Exception:
-            logger.exception("SemShare: capturing request %s failed; it is not a donor", spec.req_id)
-            self._bad_donors.append(spec.key)
-            return
-        self.stats.add("captured_donors")
-        self.stats.add("captured_tokens", len(spec.token_ids))
-        self.stats.add("capture_ms", (time.perf_counter() - t0) * 1e3)
+        n, g = len(spec.token_ids), self.geometry
+        with torch.inference_mode():
+            kv = torch.empty((len(self.views), 2, n, g.num_kv_heads, g.head_size), dtype=g.dtype)
+            for layer, view in enumerate(self.views):
+                k, v = read_range(view, spec.block_ids, 0, n)
+                kv[layer, 0].copy_(k)
+                kv[layer, 1].copy_(v)
+            self.store.put(spec.key, spec.token_ids, kv)
+        return (time.perf_counter() - t0) * 1e3
+
+    def _reap(self, wait_for: DonorKey | None = None) -> None:
+        """Account for finished captures (or wait for one); their blocks can then be freed."""
+        for key, (spec, future) in list(self._capturing.items()):
+            if key != wait_for and not future.done():
+                continue
+            del self._capturing[key]
+            self._finished_sending.add(spec.req_id)
+            try:
+                ms = future.result()
+            except Exception:
+                logger.exception("SemShare: capturing request %s failed; it is not a donor",
+                                 spec.req_id)
+                self._bad_donors.append(key)
+                continue
+            self.stats.add("captured_donors")
+            self.stats.add("captured_tokens", len(spec.token_ids))
+            self.stats.add("capture_ms", ms)
+
+    def _settle(self, key: DonorKey) -> None:
+        if key in self._capturing:
+            self._reap(wait_for=key)
 
     def _load(self, spec: LoadSpec) -> None:
         t0 = time.perf_counter()
         try:
             if self.store is None:
                 raise DonorUnavailable(self.disabled or "no host store")
+            if spec.key in self._capturing:  # still in its own blocks: copy block to block
+                self._load_from_blocks(self._capturing[spec.key][0], spec)
+                self.stats.add("block_copied_tokens", spec.num_tokens)
+                self.stats.add("loaded_tokens", spec.num_tokens)
+                self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
+                return
             kv = self.store.get(spec.key)
             if kv.shape[2] < spec.src_start + spec.num_tokens:
                 raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
@@ -124,8 +160,16 @@ class SemShareWorker:
         self.stats.add("loaded_tokens", spec.num_tokens)
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
 
+    def _load_from_blocks(self, donor: CaptureSpec, spec: LoadSpec) -> None:
+        if len(donor.token_ids) < spec.src_start + spec.num_tokens:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+        for view in self.views:
+            k, v = read_range(view, donor.block_ids, spec.src_start, spec.num_tokens)
+            write_range(view, spec.block_ids, spec.dst_start, k, v)
+
     # ---- reports back to the scheduler --------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._reap()
         done, self._finished_sending = self._finished_sending, set()
         return (done or None), None
 
@@ -139,6 +183,13 @@ class SemShareWorker:
         meta, self._bad_donors = SemShareWorkerMetadata(self._bad_donors), []
         return meta
 
+    def flush_captures(self) -> None:
+        """Wait for every capture in flight (tests, shutdown)."""
+        for key in list(self._capturing):
+            self._settle(key)
+
     def shutdown(self) -> None:
+        self.flush_captures()
+        self._capture_thread.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
