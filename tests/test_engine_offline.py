@@ -177,7 +177,12 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
     worker.flush_captures()
-    stored = worker.store.get(key)[:, :, : len(a)]  # [layers, 2, tokens, heads, dim]
+    from semshare_vllm.kv_layout import read_range
+
+    pages = worker.store.get(key)  # [layers, blocks, heads, block_size, 2 * dim], CPU_ATTN order
+    blocks = list(range(pages.shape[1]))
+    stored = torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, len(a)))
+                          for p in pages])  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         cache = hf(torch.tensor([a]), use_cache=True).past_key_values

@@ -30,7 +30,8 @@ def test_memory_lru_by_bytes():
 
 def test_persist_roundtrip_and_drop(tmp_path):
     key = DonorKey("tenant", "abc")
-    store = HostKVStore(1 << 30, LAYERS, tp_rank=1, tp_size=2, persist_root=tmp_path)
+    store = HostKVStore(1 << 30, LAYERS, "CPU_ATTN/vec/8", tp_rank=1, tp_size=2,
+                        persist_root=tmp_path)
     data = kv(12)
     store.put(key, list(range(12)), data)
     store.flush()
@@ -42,6 +43,10 @@ def test_persist_roundtrip_and_drop(tmp_path):
     store.drop_memory(key)
     assert key not in store
     assert torch.equal(store.get(key), data)  # read back from disk
+    other = HostKVStore(1 << 30, LAYERS, "FLASH_ATTN/-/8", tp_rank=1, tp_size=2,
+                        persist_root=tmp_path)
+    with pytest.raises(DonorUnavailable, match="page layout"):
+        other.get(key)  # pages of another backend are never written into this one
     store.drop(key)
     store.flush()
     assert not path.exists()
@@ -50,7 +55,7 @@ def test_persist_roundtrip_and_drop(tmp_path):
 
 def test_truncated_and_corrupted_files_are_detected(tmp_path):
     path = tmp_path / "d.tp0of1.safetensors"
-    donor_file.write(path, "", "d", [1, 2, 3], LAYERS, kv(3))
+    donor_file.write(path, "", "d", [1, 2, 3], LAYERS, "L", kv(3))
     good = path.read_bytes()
     path.write_bytes(good[: len(good) - 10])
     with pytest.raises(donor_file.CorruptDonorFile, match="header promises"):
@@ -62,7 +67,7 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path):
     path.write_bytes(b"garbage")
     with pytest.raises(donor_file.CorruptDonorFile):
         donor_file.read_header(path)
-    store = HostKVStore(1 << 30, LAYERS, persist_root=tmp_path)
+    store = HostKVStore(1 << 30, LAYERS, "L", persist_root=tmp_path)
     with pytest.raises(DonorUnavailable):
         store.get(DonorKey("", "d"))
 
@@ -73,5 +78,5 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(donor_file, "save_file", boom)
     with pytest.raises(OSError):
-        donor_file.write(tmp_path / "x.tp0of1.safetensors", "", "x", [1], LAYERS, kv(1))
+        donor_file.write(tmp_path / "x.tp0of1.safetensors", "", "x", [1], LAYERS, "L", kv(1))
     assert os.listdir(tmp_path) == []

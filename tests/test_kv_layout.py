@@ -120,3 +120,23 @@ def test_any_page_permutation_block_and_slot_paths_agree():
     assert fast.view(B, H, 2, N * D)[4, 0, 0, k_pos[0, 1]] == k[0, 0, 1]
     rk, rv = read_range(PagedRegionKVView(fast, D, k_pos, v_pos), [4, 1, 2], 0, 3 * N)
     assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
+@pytest.mark.parametrize("src_start, dst_start, count", [(0, 0, 96), (32, 64, 40), (3, 3, 70),
+                                                         (5, 37, 50), (0, 0, 10)])
+def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
+    """Donor pages -> cache blocks: raw page copies where aligned, token copies elsewhere; the
+    target then holds exactly the donor's K/V at the new positions."""
+    from semshare_vllm.kv_layout import PageLayout, copy_tokens, read_range, write_range
+
+    layout = PageLayout(backend, D, "vec")
+    donor = torch.zeros(4, H, N, 2 * D)
+    k, v = tokens(4 * N, 6)
+    write_range(layout.view(donor), [0, 1, 2, 3], 0, k, v)
+    cache = torch.zeros(B, H, N, 2 * D)
+    dst_blocks = [4, 0, 5, 2]
+    copy_tokens(donor, [0, 1, 2, 3], src_start, cache, dst_blocks, dst_start, count, layout)
+    rk, rv = read_range(layout.view(cache), dst_blocks, dst_start, count)
+    assert torch.equal(rk, k[src_start:src_start + count])
+    assert torch.equal(rv, v[src_start:src_start + count])

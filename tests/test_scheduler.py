@@ -90,7 +90,7 @@ def test_no_capture_when_short_covered_disabled_or_unsupported():
 
 def test_capacity_evicts_lru_and_tells_the_worker():
     per_token = geometry().bytes_per_token
-    s = SemShareScheduler(SemShareConfig(host_store_bytes=250 * per_token), geometry())
+    s = SemShareScheduler(SemShareConfig(host_store_bytes=300 * per_token), geometry())  # 2 donors
     finish(s, list(range(100)), outputs=())
     finish(s, list(range(1000, 1100)), outputs=())
     s.build_connector_meta(None)
@@ -118,13 +118,13 @@ def test_restore_skips_truncated_and_foreign_files(tmp_path):
     good = list(range(64))
     good_id = donor_id_for("ns", good)
     donor_file.write(donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good,
-                     list(LAYERS), kv)
+                     list(LAYERS), "L", kv)
     cut_id = donor_id_for("ns", list(range(500, 564)))
     cut = donor_file.donor_path(root, cut_id, 0, 1)
-    donor_file.write(cut, "ns", cut_id, list(range(500, 564)), list(LAYERS), kv)
+    donor_file.write(cut, "ns", cut_id, list(range(500, 564)), list(LAYERS), "L", kv)
     cut.write_bytes(cut.read_bytes()[:-100])
     liar = donor_file.donor_path(root, "0" * 32, 0, 1)  # contents do not match its id
-    donor_file.write(liar, "ns", "0" * 32, list(range(64)), list(LAYERS), kv)
+    donor_file.write(liar, "ns", "0" * 32, list(range(64)), list(LAYERS), "L", kv)
     (root / "junk.tp0of1.safetensors").write_bytes(b"\x00" * 3)
 
     s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())

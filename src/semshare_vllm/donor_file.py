@@ -1,9 +1,11 @@
 """On-disk format of a persisted donor: one safetensors file per (donor, tensor-parallel rank).
 
 ``<persist_dir>/<fingerprint>/<donor_id>.tp<rank>of<size>.safetensors`` holds one tensor
-``kv`` of shape ``[layers, 2, tokens, kv_heads, head_size]`` (layout-independent, token-major) and
-string metadata: namespace, token ids, layer names, a blake2b checksum of the tensor bytes.
-The fingerprint directory keeps donors of another model, dtype or parallel layout apart.
+``pages`` of shape ``[layers, blocks, kv_heads, block_size, 2 * head_size]``: the donor's KV pages
+exactly as the attention backend laid them out (so loading is a page copy), and string metadata:
+namespace, token ids, layer names, the page layout's name, a blake2b checksum of the tensor bytes.
+The fingerprint directory keeps donors of another model, dtype, block size or parallel layout
+apart; a file of another page layout is refused when it is loaded.
 
 Files are written to a temporary name, fsynced and renamed, so a reader sees whole files or none;
 truncated or corrupted files are detected (size check from the header, checksum on load).
@@ -37,13 +39,14 @@ class DonorHeader:
     donor_id: str
     token_ids: list[int]
     layer_names: list[str]
+    layout: str
     checksum: str
 
 
 def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
-                head_size: int, tp_size: int) -> str:
-    """A short id of everything that must match for stored KV to be reusable."""
-    blob = json.dumps([model, dtype, layer_names, num_kv_heads, head_size, tp_size])
+                head_size: int, block_size: int, tp_size: int) -> str:
+    """A short id of everything the scheduler knows that must match for stored KV to be reusable."""
+    blob = json.dumps([model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size])
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
@@ -57,22 +60,23 @@ def checksum(kv: torch.Tensor) -> str:
 
 
 def write(path: Path, namespace: str, donor_id: str, token_ids: list[int],
-          layer_names: list[str], kv: torch.Tensor) -> None:
+          layer_names: list[str], layout: str, pages: torch.Tensor) -> None:
     """Write a donor file atomically (temp file, fsync, rename)."""
-    kv = kv.contiguous()
+    pages = pages.contiguous()
     meta = {
         "format": FORMAT_VERSION,
         "namespace": namespace,
         "donor_id": donor_id,
         "token_ids": json.dumps(token_ids),
         "layer_names": json.dumps(layer_names),
-        "checksum": checksum(kv),
+        "layout": layout,
+        "checksum": checksum(pages),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        save_file({"kv": kv}, tmp, metadata=meta)
+        save_file({"pages": pages}, tmp, metadata=meta)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -94,12 +98,12 @@ def read_header(path: Path) -> DonorHeader:
         end = max(int(t["data_offsets"][1]) for t in header.values())
         if 8 + n + end != size:
             raise CorruptDonorFile(f"{path}: {size} bytes, header promises {8 + n + end}")
-        if meta.get("format") != FORMAT_VERSION or set(header) != {"kv"}:
+        if meta.get("format") != FORMAT_VERSION or set(header) != {"pages"}:
             raise CorruptDonorFile(f"{path}: not a semshare donor file of format {FORMAT_VERSION}")
         return DonorHeader(path=path, namespace=meta["namespace"], donor_id=meta["donor_id"],
                            token_ids=json.loads(meta["token_ids"]),
                            layer_names=json.loads(meta["layer_names"]),
-                           checksum=meta["checksum"])
+                           layout=meta["layout"], checksum=meta["checksum"])
     except CorruptDonorFile:
         raise
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
@@ -110,9 +114,9 @@ def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
     """Load a donor file and verify its checksum."""
     header = read_header(path)
     try:
-        kv = load_file(str(path))["kv"]
+        pages = load_file(str(path))["pages"]
     except Exception as exc:  # safetensors raises its own error types
         raise CorruptDonorFile(f"{path}: {exc}") from exc
-    if checksum(kv) != header.checksum:
+    if checksum(pages) != header.checksum:
         raise CorruptDonorFile(f"{path}: checksum mismatch")
-    return header, kv
+    return header, pages

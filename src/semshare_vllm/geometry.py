@@ -28,9 +28,14 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        """Host-store bytes of one token's K and V over all layers, on one rank."""
+        """Bytes of one token's K and V over all layers, on one rank."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return len(self.layer_names) * 2 * self.num_kv_heads * self.head_size * itemsize
+
+    def donor_bytes(self, num_tokens: int) -> int:
+        """Host-store bytes of a donor: it keeps whole pages, the last one partly filled."""
+        blocks = -(-num_tokens // self.block_size)
+        return blocks * self.block_size * self.bytes_per_token
 
 
 def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
@@ -56,6 +61,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     head_size = getattr(spec, "head_size", 0)
     dtype = getattr(spec, "dtype", torch.float32)
     fp = donor_file.fingerprint(str(vllm_config.model_config.model), str(dtype),
-                                list(layer_names), heads, head_size, parallel.tensor_parallel_size)
+                                list(layer_names), heads, head_size, spec.block_size,
+                                parallel.tensor_parallel_size)
     return KVGeometry(layer_names, spec.block_size, heads, head_size, dtype,
                       parallel.tensor_parallel_size, fp, reason)

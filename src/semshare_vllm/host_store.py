@@ -1,7 +1,8 @@
 """The worker's host-memory donor store, optionally mirrored to a directory.
 
-Holds each donor's KV as one host tensor ``[layers, 2, tokens, kv_heads, head_size]`` keyed by
-(namespace, donor id); files carry the tensor-parallel rank. The scheduler's ``DonorIndex`` decides
+Holds each donor's KV as one host tensor of pages ``[layers, blocks, kv_heads, block_size, C]``
+in the attention backend's own page layout (``layout`` names it), keyed by (namespace, donor id);
+files carry the tensor-parallel rank. The scheduler's ``DonorIndex`` decides
 what stays (it does the byte accounting); the store also enforces the byte budget itself, dropping
 least recently used tensors from memory, so a disagreement can cost a reload or a miss, never
 memory. Disk writes run on a background thread, in submission order, so a capture never waits on
@@ -49,10 +50,11 @@ class DonorUnavailable(RuntimeError):
 
 
 class HostKVStore:
-    def __init__(self, capacity_bytes: int, layer_names: list[str], tp_rank: int = 0,
-                 tp_size: int = 1, persist_root: Path | None = None):
+    def __init__(self, capacity_bytes: int, layer_names: list[str], layout: str = "",
+                 tp_rank: int = 0, tp_size: int = 1, persist_root: Path | None = None):
         self.capacity_bytes = capacity_bytes
         self.layer_names = list(layer_names)
+        self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.persist_root = persist_root
         self._mem: OrderedDict[DonorKey, torch.Tensor] = OrderedDict()
@@ -91,6 +93,9 @@ class HostKVStore:
         if (header.namespace, header.donor_id) != (key.namespace, key.donor_id) or \
                 header.layer_names != self.layer_names:
             raise DonorUnavailable(f"{path}: belongs to another donor or model")
+        if header.layout != self.layout:
+            raise DonorUnavailable(f"{path}: page layout {header.layout}, this engine has "
+                                   f"{self.layout}")
         with self._lock:
             self._insert(key, kv)
         return kv
@@ -137,7 +142,7 @@ class HostKVStore:
                 path = self._path(key)
                 if kind == "write":
                     donor_file.write(path, key.namespace, key.donor_id, token_ids,
-                                     self.layer_names, kv)
+                                     self.layer_names, self.layout, kv)
                 else:
                     path.unlink(missing_ok=True)
             except Exception:  # a full or read-only disk must not take the engine down

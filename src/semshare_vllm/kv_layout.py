@@ -11,7 +11,11 @@ tensor per layer, C = 2 * head_size, but backends lay tokens out differently:
   once by letting vLLM's own cache-write op write a calibration block, so it reads and writes
   exactly where the kernel does, for any ISA.
 
-Both offer ``read(slots) -> (K, V)`` and ``write(slots, K, V)`` with ``[len(slots), H, D]``
+A ``PageLayout`` names one of these layouts, so that donor KV kept as pages copied out of the
+cache (``[blocks, H, N, C]``, the cheapest capture: one block gather) can be read by token with
+the same code as the cache itself, and copied back whole block by whole block (``copy_tokens``).
+
+Both views offer ``read(slots) -> (K, V)`` and ``write(slots, K, V)`` with ``[len(slots), H, D]``
 tensors, ``slot = block_id * block_size + offset``, and the same for whole blocks
 (``read_blocks`` / ``write_blocks``: page copies, several times faster). ``read_range`` and
 ``write_range`` move a run of token positions, whole blocks the fast way.
@@ -20,6 +24,7 @@ tensors, ``slot = block_id * block_size + offset``, and the same for whole block
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -258,3 +263,38 @@ def kv_view(kv_cache: torch.Tensor, backend: str, head_size: int,
         k_pos, v_pos = calibrate_cpu_pages(kv_cache.shape[2], head_size, kv_cache.dtype, cpu_isa)
         return PagedRegionKVView(kv_cache, head_size, k_pos, v_pos)
     raise UnsupportedKVLayout(f"attention backend {backend!r} has no KV view")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """One backend's page layout; ``name`` is recorded with persisted donors."""
+
+    backend: str
+    head_size: int
+    cpu_isa: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}/{self.cpu_isa or '-'}/{self.head_size}"
+
+    def view(self, pages: torch.Tensor) -> KVView:
+        return kv_view(pages, self.backend, self.head_size, cpu_isa=self.cpu_isa)
+
+
+def copy_tokens(src: torch.Tensor, src_blocks: list[int], src_start: int, dst: torch.Tensor,
+                dst_blocks: list[int], dst_start: int, num_tokens: int,
+                layout: PageLayout) -> None:
+    """Copy the KV of ``num_tokens`` positions between two page tensors of the same layout
+    (the paged cache, or a donor's pages): whole blocks as raw pages when both ranges start on a
+    block boundary, anything else token by token through ``layout``'s view."""
+    bs = dst.shape[2]
+    done = 0
+    if src_start % bs == 0 and dst_start % bs == 0 and num_tokens >= bs:
+        whole = num_tokens // bs
+        s = torch.as_tensor(src_blocks[src_start // bs: src_start // bs + whole], device=src.device)
+        d = torch.as_tensor(dst_blocks[dst_start // bs: dst_start // bs + whole], device=dst.device)
+        dst[d] = src[s].to(dst.device)
+        done = whole * bs
+    if done < num_tokens:
+        k, v = read_range(layout.view(src), src_blocks, src_start + done, num_tokens - done)
+        write_range(layout.view(dst), dst_blocks, dst_start + done, k, v)

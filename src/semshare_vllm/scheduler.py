@@ -119,7 +119,7 @@ class SemShareScheduler:
         if len(blocks) * bs < n:  # should not happen; never read blocks we do not hold
             return False, None
         key = DonorKey(namespace, donor_id_for(namespace, token_ids))
-        record = DonorRecord(key, token_ids, n * self.geometry.bytes_per_token,
+        record = DonorRecord(key, token_ids, self.geometry.donor_bytes(n),
                              block_hashes(token_ids, bs))
         evicted = self.index.add(record)
         if key in evicted:  # larger than the whole store
@@ -170,7 +170,7 @@ class SemShareScheduler:
             key = DonorKey(header.namespace, header.donor_id)
             n = len(header.token_ids)
             self._evict(self.index.add(DonorRecord(
-                key, header.token_ids, n * self.geometry.bytes_per_token,
+                key, header.token_ids, self.geometry.donor_bytes(n),
                 block_hashes(header.token_ids, self.geometry.block_size))))
             self.stats.add("donors_restored")
         if len(self.index):

@@ -23,7 +23,7 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
-from semshare_vllm.kv_layout import KVView, UnsupportedKVLayout, kv_view, read_range, write_range
+from semshare_vllm.kv_layout import PageLayout, UnsupportedKVLayout, copy_tokens
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -42,7 +42,8 @@ class SemShareWorker:
         self.geometry = geometry
         self._vllm_config = vllm_config
         self.stats = StatsRecorder()
-        self.views: list[KVView] = []
+        self.caches: list[torch.Tensor] = []  # one paged KV tensor per layer, geometry order
+        self.layout: PageLayout | None = None
         self.store: HostKVStore | None = None
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
@@ -57,16 +58,22 @@ class SemShareWorker:
             return
         forward_ctx = self._vllm_config.compilation_config.static_forward_context
         try:
+            layouts = set()
             for name in self.geometry.layer_names:
                 layer = forward_ctx.get(name)
                 backend = layer.attn_backend.get_name() if layer is not None else "?"
                 isa = getattr(layer, "isa", None) or getattr(getattr(layer, "impl", None),
                                                              "isa", None)
-                self.views.append(kv_view(kv_caches[name], backend, self.geometry.head_size,
-                                          cpu_isa=isa))
+                layout = PageLayout(backend, self.geometry.head_size, isa)
+                layout.view(kv_caches[name])  # raises for layouts we cannot read
+                layouts.add(layout)
+                self.caches.append(kv_caches[name])
+            if len(layouts) != 1:
+                raise UnsupportedKVLayout(f"layers differ in page layout: {layouts}")
+            self.layout = layouts.pop()
         except (UnsupportedKVLayout, KeyError) as exc:
             self.disabled = f"KV layout not supported ({exc})"
-            self.views = []
+            self.caches = []
             logger.warning("SemShare disabled on this worker: %s", self.disabled)
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -75,7 +82,7 @@ class SemShareWorker:
         if self.config.persist_dir:
             root = Path(self.config.persist_dir) / self.geometry.fingerprint
         capacity = fit_to_memory(self.config.host_store_bytes, self.geometry.tp_size)
-        self.store = HostKVStore(capacity, list(self.geometry.layer_names),
+        self.store = HostKVStore(capacity, list(self.geometry.layer_names), self.layout.name,
                                  get_tensor_model_parallel_rank(), self.geometry.tp_size, root)
 
     # ---- per step -----------------------------------------------------------------------------
@@ -97,16 +104,16 @@ class SemShareWorker:
         self._capturing[spec.key] = (spec, self._capture_thread.submit(self._copy_out, spec))
 
     def _copy_out(self, spec: CaptureSpec) -> float:
-        """On the capture thread: the donor's KV from its blocks into one host tensor."""
+        """On the capture thread: the donor's pages, gathered from its blocks into one host
+        tensor (positions past the donor's last token in its last block are never read)."""
         t0 = time.perf_counter()
-        n, g = len(spec.token_ids), self.geometry
+        blocks = torch.as_tensor(spec.block_ids, device=self.caches[0].device)
         with torch.inference_mode():
-            kv = torch.empty((len(self.views), 2, n, g.num_kv_heads, g.head_size), dtype=g.dtype)
-            for layer, view in enumerate(self.views):
-                k, v = read_range(view, spec.block_ids, 0, n)
-                kv[layer, 0].copy_(k)
-                kv[layer, 1].copy_(v)
-            self.store.put(spec.key, spec.token_ids, kv)
+            pages = torch.empty((len(self.caches), len(spec.block_ids), *self.caches[0].shape[1:]),
+                                dtype=self.caches[0].dtype)
+            for layer, cache in enumerate(self.caches):
+                pages[layer].copy_(cache.index_select(0, blocks))
+            self.store.put(spec.key, spec.token_ids, pages)
         return (time.perf_counter() - t0) * 1e3
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
@@ -136,18 +143,20 @@ class SemShareWorker:
         try:
             if self.store is None:
                 raise DonorUnavailable(self.disabled or "no host store")
-            if spec.key in self._capturing:  # still in its own blocks: copy block to block
-                self._load_from_blocks(self._capturing[spec.key][0], spec)
-                self.stats.add("block_copied_tokens", spec.num_tokens)
-                self.stats.add("loaded_tokens", spec.num_tokens)
-                self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
-                return
-            kv = self.store.get(spec.key)
-            if kv.shape[2] < spec.src_start + spec.num_tokens:
+            held = self._capturing.get(spec.key)
+            if held is not None:  # still in its own blocks: copy block to block
+                donor_tokens, donor_blocks = len(held[0].token_ids), held[0].block_ids
+                sources = self.caches
+            else:
+                pages = self.store.get(spec.key)
+                donor_blocks = list(range(pages.shape[1]))
+                donor_tokens = pages.shape[1] * pages.shape[3]
+                sources = list(pages)
+            if donor_tokens < spec.src_start + spec.num_tokens:
                 raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
-            src = kv[:, :, spec.src_start:spec.src_start + spec.num_tokens]
-            for layer, view in enumerate(self.views):
-                write_range(view, spec.block_ids, spec.dst_start, src[layer, 0], src[layer, 1])
+            for src, dst in zip(sources, self.caches):
+                copy_tokens(src, donor_blocks, spec.src_start, dst, spec.block_ids,
+                            spec.dst_start, spec.num_tokens, self.layout)
         except Exception as exc:
             logger.warning("SemShare: loading donor %s for request %s failed (%s); "
                            "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
@@ -158,14 +167,9 @@ class SemShareWorker:
             self.stats.add("load_failures")
             return
         self.stats.add("loaded_tokens", spec.num_tokens)
+        if held is not None:
+            self.stats.add("block_copied_tokens", spec.num_tokens)
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
-
-    def _load_from_blocks(self, donor: CaptureSpec, spec: LoadSpec) -> None:
-        if len(donor.token_ids) < spec.src_start + spec.num_tokens:
-            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
-        for view in self.views:
-            k, v = read_range(view, donor.block_ids, spec.src_start, spec.num_tokens)
-            write_range(view, spec.block_ids, spec.dst_start, k, v)
 
     # ---- reports back to the scheduler --------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
