@@ -106,7 +106,7 @@ class SemShareConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        self.worker.start_captures()  # after the forward: nothing in this step waits for them
 
     def get_finished(self, finished_req_ids: set[str]):
         return self.worker.get_finished()

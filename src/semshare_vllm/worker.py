@@ -1,10 +1,11 @@
 """The worker half (each worker process): moves KV between the paged cache and the host store.
 
-Per step, in ``start_load_kv``: drop evicted donors, start capturing finished requests (paged
-cache -> host store, on a background thread: the step does not wait for it), then load claimed
-tokens into the request's fresh blocks. A load whose donor is still being captured copies straight
-from the donor's blocks, which vLLM keeps until the capture is reported done (``delay_free`` +
-``finished_sending``).
+Per step, in ``start_load_kv``: drop evicted donors, take new captures (finished requests whose
+blocks vLLM keeps for us: ``delay_free``), then load claimed tokens into the requests' fresh
+blocks; a load whose donor is still being captured copies straight from the donor's blocks. In
+``wait_for_save``, after the forward pass, the captures start on a background thread (paged cache
+-> host store), so neither this step's forward nor its first tokens wait for them; each request
+is reported in ``finished_sending`` when its copy is done, which frees its blocks.
 
 Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
 bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -47,8 +48,8 @@ class SemShareWorker:
         self.store: HostKVStore | None = None
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
-        # donor -> (its capture order, the copy running on the capture thread)
-        self._capturing: dict[DonorKey, tuple[CaptureSpec, Future]] = {}
+        # donor -> [its capture order, the copy on the capture thread (None: not started yet)]
+        self._capturing: dict[DonorKey, list] = {}
         self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-capture")
         self._invalid_blocks: set[int] = set()
         self._bad_donors: list[DonorKey] = []
@@ -101,7 +102,13 @@ class SemShareWorker:
             self._finished_sending.add(spec.req_id)  # release the blocks, keep nothing
             self._bad_donors.append(spec.key)
             return
-        self._capturing[spec.key] = (spec, self._capture_thread.submit(self._copy_out, spec))
+        self._capturing[spec.key] = [spec, None]
+
+    def start_captures(self) -> None:
+        """After the forward pass: copy this step's new donors out in the background."""
+        for entry in self._capturing.values():
+            if entry[1] is None:
+                entry[1] = self._capture_thread.submit(self._copy_out, entry[0])
 
     def _copy_out(self, spec: CaptureSpec) -> float:
         """On the capture thread: the donor's pages, gathered from its blocks into one host
@@ -112,14 +119,16 @@ class SemShareWorker:
             pages = torch.empty((len(self.caches), len(spec.block_ids), *self.caches[0].shape[1:]),
                                 dtype=self.caches[0].dtype)
             for layer, cache in enumerate(self.caches):
-                pages[layer].copy_(cache.index_select(0, blocks))
+                torch.index_select(cache, 0, blocks, out=pages[layer])
             self.store.put(spec.key, spec.token_ids, pages)
         return (time.perf_counter() - t0) * 1e3
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
         """Account for finished captures (or wait for one); their blocks can then be freed."""
         for key, (spec, future) in list(self._capturing.items()):
-            if key != wait_for and not future.done():
+            if key == wait_for and future is None:
+                future = self._capture_thread.submit(self._copy_out, spec)
+            if key != wait_for and (future is None or not future.done()):
                 continue
             del self._capturing[key]
             self._finished_sending.add(spec.req_id)
