@@ -52,3 +52,12 @@ def test_covers():
     assert not idx.covers("", list(range(11)))
     assert not idx.covers("", list(range(5)) + [42])
     assert not idx.covers("x", list(range(6)))
+
+
+def test_shrink_to_the_workers_real_capacity():
+    idx = DonorIndex(BS, 1000)
+    recs = [record("", range(i * 10, i * 10 + 8)) for i in range(5)]
+    for r in recs:
+        idx.add(r)
+    assert idx.shrink(250) == [recs[0].key, recs[1].key, recs[2].key]
+    assert idx.used_bytes == 200 and idx.capacity_bytes == 250

@@ -62,7 +62,8 @@ def persist_dir(tmp_path_factory):
 def llm(model, persist_dir):
     cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
            "kv_connector_module_path": "semshare_vllm.connector",
-           "kv_connector_extra_config": {"persist_dir": str(persist_dir)}}
+           "kv_connector_extra_config": {"persist_dir": str(persist_dir),
+                                         "host_store_bytes": "512MiB"}}
     return offline.make_llm(model, cfg)
 
 
@@ -138,8 +139,7 @@ def test_poisoned_donor_changes_output(llm, sched, worker, cases, reference):
     run(llm, cases["filler"])  # one more engine step: the capture of `a` starts...
     worker.flush_captures()  # ...and we wait for it
     assert key in sched.index and key in worker.store
-    with torch.inference_mode():  # the store holds the engine's inference-mode tensors
-        worker.store.get(key).zero_()
+    worker.store.pool[:, worker.store.get(key)] = 0
     out = run(llm, b)
     assert out["num_cached_tokens"] > 0
     assert out["token_ids"] != reference[tuple(b)]["token_ids"]
@@ -179,7 +179,7 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     worker.flush_captures()
     from semshare_vllm.kv_layout import read_range
 
-    pages = worker.store.get(key)  # [layers, blocks, heads, block_size, 2 * dim], CPU_ATTN order
+    pages = worker.store.pool[:, worker.store.get(key)]  # [layers, blocks, H, N, 2D], CPU order
     blocks = list(range(pages.shape[1]))
     stored = torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, len(a)))
                           for p in pages])  # [layers, 2, tokens, heads, dim]

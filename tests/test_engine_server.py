@@ -33,7 +33,8 @@ def cold(model, tmp_path_factory):
 
 
 def semshare_server(model, persist_dir, log):
-    cfg = dict(SEMSHARE, kv_connector_extra_config={"persist_dir": str(persist_dir)})
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"persist_dir": str(persist_dir),
+                                                    "host_store_bytes": "512MiB"})
     return VllmServer(model, cfg, ARGS, log)
 
 

@@ -8,54 +8,66 @@ from semshare_vllm.host_store import DonorUnavailable, HostKVStore
 from semshare_vllm.metadata import DonorKey
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PAGE = (2, 4, 16)  # kv_heads, block_size, 2 * head_size
 
 
-def kv(tokens, seed=0):
-    return torch.randn(len(LAYERS), 2, tokens, 2, 8, generator=torch.Generator().manual_seed(seed))
+def store(blocks, **kw):
+    block_bytes = len(LAYERS) * 2 * 4 * 16 * 4
+    return HostKVStore(blocks * block_bytes, LAYERS, PAGE, torch.float32, "CPU_ATTN/vec/8", **kw)
 
 
-def test_memory_lru_by_bytes():
-    one = kv(10).nbytes
-    store = HostKVStore(2 * one, LAYERS)
+def pages(n, seed=0):
+    return torch.randn(len(LAYERS), n, *PAGE, generator=torch.Generator().manual_seed(seed))
+
+
+def test_pool_is_preallocated_and_lru_evicts():
+    s = store(5)
+    assert s.pool.shape == (2, 5, *PAGE) and s.used_bytes == 0
     keys = [DonorKey("", f"d{i}") for i in range(3)]
-    store.put(keys[0], [1] * 10, kv(10, 0))
-    store.put(keys[1], [2] * 10, kv(10, 1))
-    store.get(keys[0])  # most recent now
-    store.put(keys[2], [3] * 10, kv(10, 2))
-    assert keys[0] in store and keys[2] in store and keys[1] not in store
-    assert store.used_bytes == 2 * one
+    a = s.allocate(keys[0], 2)
+    s.allocate(keys[1], 2)
+    s.get(keys[0])  # most recent now
+    s.allocate(keys[2], 2)  # needs a victim: keys[1]
+    assert keys[0] in s and keys[2] in s and keys[1] not in s
+    assert s.get(keys[0]) == a
     with pytest.raises(DonorUnavailable):
-        store.get(keys[1])
+        s.get(keys[1])
+    # A donor whose copy is in flight is never a victim; too big is refused, not half-stored.
+    with pytest.raises(DonorUnavailable):
+        s.allocate(DonorKey("", "big"), 4, pinned={keys[0], keys[2]})
+    assert keys[0] in s and keys[2] in s
+    with pytest.raises(DonorUnavailable):
+        s.allocate(DonorKey("", "huge"), 6)
 
 
 def test_persist_roundtrip_and_drop(tmp_path):
     key = DonorKey("tenant", "abc")
-    store = HostKVStore(1 << 30, LAYERS, "CPU_ATTN/vec/8", tp_rank=1, tp_size=2,
-                        persist_root=tmp_path)
-    data = kv(12)
-    store.put(key, list(range(12)), data)
-    store.flush()
+    s = store(8, tp_rank=1, tp_size=2, persist_root=tmp_path)
+    data = pages(3)
+    s.pool[:, s.allocate(key, 3)] = data
+    s.persist(key, list(range(12)), data.clone())
+    s.flush()
     path = tmp_path / "abc.tp1of2.safetensors"
     assert path.is_file() and not list(tmp_path.glob(".tmp-*"))
     header = donor_file.read_header(path)
-    assert (header.namespace, header.token_ids, header.layer_names) == ("tenant", list(range(12)),
-                                                                        LAYERS)
-    store.drop_memory(key)
-    assert key not in store
-    assert torch.equal(store.get(key), data)  # read back from disk
-    other = HostKVStore(1 << 30, LAYERS, "FLASH_ATTN/-/8", tp_rank=1, tp_size=2,
-                        persist_root=tmp_path)
+    assert (header.namespace, header.token_ids, header.layer_names, header.layout) == (
+        "tenant", list(range(12)), LAYERS, "CPU_ATTN/vec/8")
+    s.drop_memory(key)
+    assert key not in s
+    assert torch.equal(s.pool[:, s.get(key)], data)  # read back from disk into the pool
+    other = HostKVStore(s.capacity_bytes, LAYERS, PAGE, torch.float32, "FLASH_ATTN/-/8",
+                        tp_rank=1, tp_size=2, persist_root=tmp_path)
     with pytest.raises(DonorUnavailable, match="page layout"):
         other.get(key)  # pages of another backend are never written into this one
-    store.drop(key)
-    store.flush()
+    s.drop(key)
+    s.flush()
     assert not path.exists()
-    store.close()
+    s.close()
 
 
 def test_truncated_and_corrupted_files_are_detected(tmp_path):
     path = tmp_path / "d.tp0of1.safetensors"
-    donor_file.write(path, "", "d", [1, 2, 3], LAYERS, "L", kv(3))
+    donor_file.write(path, "", "d", [1, 2, 3], LAYERS, "CPU_ATTN/vec/8", pages(1))
     good = path.read_bytes()
     path.write_bytes(good[: len(good) - 10])
     with pytest.raises(donor_file.CorruptDonorFile, match="header promises"):
@@ -64,12 +76,11 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path):
     donor_file.read_header(path)  # same size: the header alone cannot tell...
     with pytest.raises(donor_file.CorruptDonorFile, match="checksum"):
         donor_file.read(path)  # ...the checksum does
+    with pytest.raises(DonorUnavailable, match="checksum"):
+        store(4, persist_root=tmp_path).get(DonorKey("", "d"))
     path.write_bytes(b"garbage")
     with pytest.raises(donor_file.CorruptDonorFile):
         donor_file.read_header(path)
-    store = HostKVStore(1 << 30, LAYERS, "L", persist_root=tmp_path)
-    with pytest.raises(DonorUnavailable):
-        store.get(DonorKey("", "d"))
 
 
 def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -78,5 +89,5 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(donor_file, "save_file", boom)
     with pytest.raises(OSError):
-        donor_file.write(tmp_path / "x.tp0of1.safetensors", "", "x", [1], LAYERS, "L", kv(1))
+        donor_file.write(tmp_path / "x.tp0of1.safetensors", "", "x", [1], LAYERS, "L", pages(1))
     assert os.listdir(tmp_path) == []

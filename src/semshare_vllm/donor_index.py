@@ -109,6 +109,16 @@ class DonorIndex:
             table.setdefault(h, []).append(record.key)
         return evicted
 
+    def shrink(self, capacity_bytes: int) -> list[DonorKey]:
+        """Lower the capacity; returns the keys evicted to fit (oldest first)."""
+        self.capacity_bytes = min(self.capacity_bytes, capacity_bytes)
+        evicted = []
+        while self.used_bytes > self.capacity_bytes and self._lru:
+            victim = next(iter(self._lru))
+            self.remove(victim)
+            evicted.append(victim)
+        return evicted
+
     def remove(self, key: DonorKey) -> DonorRecord | None:
         record = self._lru.pop(key, None)
         if record is None:

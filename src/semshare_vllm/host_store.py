@@ -1,12 +1,17 @@
-"""The worker's host-memory donor store, optionally mirrored to a directory.
+"""The worker's host-memory donor store: a preallocated pool of KV pages, optionally mirrored to
+a directory.
 
-Holds each donor's KV as one host tensor of pages ``[layers, blocks, kv_heads, block_size, C]``
-in the attention backend's own page layout (``layout`` names it), keyed by (namespace, donor id);
-files carry the tensor-parallel rank. The scheduler's ``DonorIndex`` decides
-what stays (it does the byte accounting); the store also enforces the byte budget itself, dropping
-least recently used tensors from memory, so a disagreement can cost a reload or a miss, never
-memory. Disk writes run on a background thread, in submission order, so a capture never waits on
-the disk; a donor not in memory is read back (and checksum-verified) on first use.
+The pool is one tensor ``[layers, pool_blocks, kv_heads, block_size, C]`` in the attention
+backend's own page layout (``layout`` names it). It is allocated and touched once, at start-up,
+like vLLM's own KV cache: a capture is then a block gather into pages that are already resident
+(page faults on fresh host memory made captures ~6x slower), and pinned on GPU machines so the
+copy can run asynchronously. A donor owns a list of pool blocks, keyed by (namespace, donor id).
+
+The scheduler's ``DonorIndex`` decides what stays (it does the byte accounting, against the
+capacity this pool reports); the store also evicts least recently used donors itself when the
+pool runs out, so a disagreement costs a miss, never memory. Only the engine thread allocates
+and frees blocks. Disk writes run on a background thread, in submission order; a donor not in
+memory is read back (and checksum-verified) on first use. Files carry the tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
@@ -23,7 +28,6 @@ from semshare_vllm import donor_file
 from semshare_vllm.metadata import DonorKey
 
 logger = logging.getLogger("vllm.semshare.store")
-
 
 # Never plan to hold more than this share of the host memory still available when the store is
 # set up: on CPU, vLLM sizes its own KV cache to most of RAM (20 GiB of 24 when
@@ -50,16 +54,22 @@ class DonorUnavailable(RuntimeError):
 
 
 class HostKVStore:
-    def __init__(self, capacity_bytes: int, layer_names: list[str], layout: str = "",
-                 tp_rank: int = 0, tp_size: int = 1, persist_root: Path | None = None):
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, layer_names: list[str], page_shape: tuple[int, ...],
+                 dtype: torch.dtype, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
+                 persist_root: Path | None = None, pin_memory: bool = False):
         self.layer_names = list(layer_names)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.persist_root = persist_root
-        self._mem: OrderedDict[DonorKey, torch.Tensor] = OrderedDict()
-        self.used_bytes = 0
-        self._lock = threading.Lock()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = len(layer_names) * itemsize * int(torch.Size(page_shape).numel())
+        num_blocks = capacity_bytes // self.block_bytes
+        self.pool = torch.empty((len(layer_names), num_blocks, *page_shape), dtype=dtype,
+                                pin_memory=pin_memory)
+        self.pool.zero_()  # touch every page now, not during a capture
+        self.capacity_bytes = num_blocks * self.block_bytes
+        self._free: deque[int] = deque(range(num_blocks))
+        self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
         self._disk_q: queue.Queue | None = None
         self._writer: threading.Thread | None = None
         if persist_root is not None:
@@ -69,63 +79,74 @@ class HostKVStore:
                                             daemon=True)
             self._writer.start()
 
-    # ---- memory -------------------------------------------------------------------------------
-    def put(self, key: DonorKey, token_ids: list[int], kv: torch.Tensor) -> None:
-        with self._lock:
-            self._insert(key, kv)
-        if self._disk_q is not None:
-            self._disk_q.put(("write", key, token_ids, kv))
+    # ---- memory (engine thread only) ----------------------------------------------------------
+    def allocate(self, key: DonorKey, num_blocks: int, pinned=frozenset()) -> list[int]:
+        """Pool blocks for a new donor, evicting least recently used donors (never ``pinned``
+        ones: their copies are in flight) from memory if needed. Raises DonorUnavailable when
+        that cannot make room."""
+        self.drop_memory(key)
+        victims = (k for k in list(self._donors) if k not in pinned)
+        while len(self._free) < num_blocks:
+            victim = next(victims, None)
+            if victim is None:
+                break
+            self._release(victim)
+        if len(self._free) < num_blocks:
+            raise DonorUnavailable(f"donor of {num_blocks} blocks exceeds the host pool")
+        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        self._donors[key] = blocks
+        return blocks
 
-    def get(self, key: DonorKey) -> torch.Tensor:
-        """The donor's KV; read from disk if it is not in memory. Raises DonorUnavailable."""
-        with self._lock:
-            kv = self._mem.get(key)
-            if kv is not None:
-                self._mem.move_to_end(key)
-                return kv
+    def get(self, key: DonorKey, pinned=frozenset()) -> list[int]:
+        """The pool blocks holding the donor; read from disk first if it is not in memory."""
+        blocks = self._donors.get(key)
+        if blocks is not None:
+            self._donors.move_to_end(key)
+            return blocks
         path = self._path(key)
         if path is None or not path.exists():
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
         try:
-            header, kv = donor_file.read(path)
+            header, pages = donor_file.read(path)
         except donor_file.CorruptDonorFile as exc:
             raise DonorUnavailable(str(exc)) from exc
         if (header.namespace, header.donor_id) != (key.namespace, key.donor_id) or \
                 header.layer_names != self.layer_names:
             raise DonorUnavailable(f"{path}: belongs to another donor or model")
-        if header.layout != self.layout:
+        if header.layout != self.layout or pages.shape[2:] != self.pool.shape[2:]:
             raise DonorUnavailable(f"{path}: page layout {header.layout}, this engine has "
                                    f"{self.layout}")
-        with self._lock:
-            self._insert(key, kv)
-        return kv
+        blocks = self.allocate(key, pages.shape[1], pinned)
+        self.pool[:, blocks] = pages
+        return blocks
 
     def drop(self, key: DonorKey) -> None:
+        """Forget the donor, in memory and on disk."""
         self.drop_memory(key)
         if self._disk_q is not None:
             self._disk_q.put(("delete", key, None, None))
 
     def drop_memory(self, key: DonorKey) -> None:
-        """Free the in-memory copy only; a persisted file stays and is read back on next use."""
-        with self._lock:
-            kv = self._mem.pop(key, None)
-            if kv is not None:
-                self.used_bytes -= kv.nbytes
+        """Free the donor's pool blocks only; a persisted file stays and is read back on use."""
+        if key in self._donors:
+            self._release(key)
+
+    def _release(self, key: DonorKey) -> None:
+        self._free.extend(self._donors.pop(key))
 
     def __contains__(self, key: DonorKey) -> bool:
-        return key in self._mem
+        return key in self._donors
 
-    def _insert(self, key: DonorKey, kv: torch.Tensor) -> None:
-        old = self._mem.pop(key, None)
-        if old is not None:
-            self.used_bytes -= old.nbytes
-        self._mem[key] = kv
-        self.used_bytes += kv.nbytes
-        while self.used_bytes > self.capacity_bytes and len(self._mem) > 1:
-            _, victim = self._mem.popitem(last=False)
-            self.used_bytes -= victim.nbytes
+    @property
+    def used_bytes(self) -> int:
+        return (self.pool.shape[1] - len(self._free)) * self.block_bytes
 
-    # ---- disk ---------------------------------------------------------------------------------
+    # ---- disk (any thread may queue; one writer thread executes in order) ---------------------
+    def persist(self, key: DonorKey, token_ids: list[int], pages: torch.Tensor) -> None:
+        """Queue a write of the donor's pages (a tensor the caller no longer changes)."""
+        if self._disk_q is not None:
+            self._disk_q.put(("write", key, token_ids, pages))
+
     def _path(self, key: DonorKey) -> Path | None:
         if self.persist_root is None:
             return None
@@ -138,11 +159,11 @@ class HostKVStore:
             try:
                 if op is None:
                     return
-                kind, key, token_ids, kv = op
+                kind, key, token_ids, pages = op
                 path = self._path(key)
                 if kind == "write":
                     donor_file.write(path, key.namespace, key.donor_id, token_ids,
-                                     self.layer_names, self.layout, kv)
+                                     self.layer_names, self.layout, pages)
                 else:
                     path.unlink(missing_ok=True)
             except Exception:  # a full or read-only disk must not take the engine down

@@ -58,12 +58,15 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
-    """Donors the worker found unusable (missing, corrupt); the scheduler forgets them."""
+    """Donors the worker found unusable (missing, corrupt), which the scheduler forgets; and,
+    once, the bytes the worker's host pool really holds, which caps the scheduler's accounting."""
 
     bad_donors: list[DonorKey] = field(default_factory=list)
+    capacity_bytes: int | None = None
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
         merged = list(self.bad_donors)
         merged.extend(k for k in other.bad_donors if k not in merged)
-        return SemShareWorkerMetadata(bad_donors=merged)
+        caps = [c for c in (self.capacity_bytes, other.capacity_bytes) if c is not None]
+        return SemShareWorkerMetadata(merged, min(caps) if caps else None)

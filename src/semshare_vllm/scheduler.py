@@ -23,7 +23,6 @@ from semshare_vllm.donor_index import (
     donor_id_for,
 )
 from semshare_vllm.geometry import KVGeometry
-from semshare_vllm.host_store import fit_to_memory
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -45,9 +44,8 @@ class SemShareScheduler:
         self.config = config
         self.geometry = geometry
         self.stats = StatsRecorder()
-        # Built after vLLM allocated its KV cache, so the memory check sees what is really left.
-        self.index = DonorIndex(geometry.block_size,
-                                fit_to_memory(config.host_store_bytes, geometry.tp_size))
+        # The worker's pool reports its real size in its first step (update_connector_output).
+        self.index = DonorIndex(geometry.block_size, config.host_store_bytes)
         self._matches: dict[str, PrefixMatch] = {}     # req_id -> match offered this step
         self._loads: list[LoadSpec] = []
         self._captures: list[CaptureSpec] = []
@@ -138,6 +136,8 @@ class SemShareScheduler:
             self._capturing.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, SemShareWorkerMetadata):
+            if meta.capacity_bytes is not None:
+                self._evict(self.index.shrink(meta.capacity_bytes))
             for key in meta.bad_donors:
                 if self.index.remove(key) is not None:
                     self.stats.add("donors_evicted")

@@ -48,11 +48,13 @@ class SemShareWorker:
         self.store: HostKVStore | None = None
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
-        # donor -> [its capture order, the copy on the capture thread (None: not started yet)]
+        # donor -> [its capture order, its pool blocks, the copy on the capture thread (None:
+        # not started yet)]. These donors' pool blocks are never evicted.
         self._capturing: dict[DonorKey, list] = {}
         self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-capture")
         self._invalid_blocks: set[int] = set()
         self._bad_donors: list[DonorKey] = []
+        self._capacity_report: int | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
@@ -83,8 +85,11 @@ class SemShareWorker:
         if self.config.persist_dir:
             root = Path(self.config.persist_dir) / self.geometry.fingerprint
         capacity = fit_to_memory(self.config.host_store_bytes, self.geometry.tp_size)
-        self.store = HostKVStore(capacity, list(self.geometry.layer_names), self.layout.name,
-                                 get_tensor_model_parallel_rank(), self.geometry.tp_size, root)
+        cache = self.caches[0]
+        self.store = HostKVStore(capacity, list(self.geometry.layer_names), tuple(cache.shape[1:]),
+                                 cache.dtype, self.layout.name, get_tensor_model_parallel_rank(),
+                                 self.geometry.tp_size, root, pin_memory=cache.is_cuda)
+        self._capacity_report = self.store.capacity_bytes
 
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
@@ -98,36 +103,42 @@ class SemShareWorker:
             self._load(spec)
 
     def _capture(self, spec: CaptureSpec) -> None:
-        if self.store is None:
-            self._finished_sending.add(spec.req_id)  # release the blocks, keep nothing
+        try:
+            if self.store is None:
+                raise DonorUnavailable(self.disabled or "no host store")
+            pool_blocks = self.store.allocate(spec.key, len(spec.block_ids), self._capturing)
+        except DonorUnavailable as exc:
+            logger.warning("SemShare: request %s is not kept as a donor: %s", spec.req_id, exc)
+            self._finished_sending.add(spec.req_id)  # release its blocks, keep nothing
             self._bad_donors.append(spec.key)
             return
-        self._capturing[spec.key] = [spec, None]
+        self._capturing[spec.key] = [spec, pool_blocks, None]
 
     def start_captures(self) -> None:
         """After the forward pass: copy this step's new donors out in the background."""
         for entry in self._capturing.values():
-            if entry[1] is None:
-                entry[1] = self._capture_thread.submit(self._copy_out, entry[0])
+            if entry[2] is None:
+                entry[2] = self._capture_thread.submit(self._copy_out, entry[0], entry[1])
 
-    def _copy_out(self, spec: CaptureSpec) -> float:
-        """On the capture thread: the donor's pages, gathered from its blocks into one host
-        tensor (positions past the donor's last token in its last block are never read)."""
+    def _copy_out(self, spec: CaptureSpec, pool_blocks: list[int]) -> float:
+        """On the capture thread: gather the donor's pages from its blocks into its pool blocks
+        (positions past its last token in its last block are never read)."""
         t0 = time.perf_counter()
-        blocks = torch.as_tensor(spec.block_ids, device=self.caches[0].device)
+        src = torch.as_tensor(spec.block_ids, device=self.caches[0].device)
+        dst = torch.as_tensor(pool_blocks)
+        pool = self.store.pool
         with torch.inference_mode():
-            pages = torch.empty((len(self.caches), len(spec.block_ids), *self.caches[0].shape[1:]),
-                                dtype=self.caches[0].dtype)
             for layer, cache in enumerate(self.caches):
-                torch.index_select(cache, 0, blocks, out=pages[layer])
-            self.store.put(spec.key, spec.token_ids, pages)
+                pool[layer].index_copy_(0, dst, cache.index_select(0, src).to("cpu"))
+            if self.store.persist_root is not None:
+                self.store.persist(spec.key, spec.token_ids, pool[:, dst])  # a copy
         return (time.perf_counter() - t0) * 1e3
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
         """Account for finished captures (or wait for one); their blocks can then be freed."""
-        for key, (spec, future) in list(self._capturing.items()):
+        for key, (spec, pool_blocks, future) in list(self._capturing.items()):
             if key == wait_for and future is None:
-                future = self._capture_thread.submit(self._copy_out, spec)
+                future = self._capture_thread.submit(self._copy_out, spec, pool_blocks)
             if key != wait_for and (future is None or not future.done()):
                 continue
             del self._capturing[key]
@@ -137,6 +148,7 @@ class SemShareWorker:
             except Exception:
                 logger.exception("SemShare: capturing request %s failed; it is not a donor",
                                  spec.req_id)
+                self.store.drop_memory(key)
                 self._bad_donors.append(key)
                 continue
             self.stats.add("captured_donors")
@@ -157,10 +169,9 @@ class SemShareWorker:
                 donor_tokens, donor_blocks = len(held[0].token_ids), held[0].block_ids
                 sources = self.caches
             else:
-                pages = self.store.get(spec.key)
-                donor_blocks = list(range(pages.shape[1]))
-                donor_tokens = pages.shape[1] * pages.shape[3]
-                sources = list(pages)
+                donor_blocks = self.store.get(spec.key, self._capturing)
+                donor_tokens = len(donor_blocks) * self.geometry.block_size
+                sources = list(self.store.pool)
             if donor_tokens < spec.src_start + spec.num_tokens:
                 raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
             for src, dst in zip(sources, self.caches):
@@ -191,9 +202,10 @@ class SemShareWorker:
         return bad
 
     def build_worker_meta(self) -> SemShareWorkerMetadata | None:
-        if not self._bad_donors:
+        if not self._bad_donors and self._capacity_report is None:
             return None
-        meta, self._bad_donors = SemShareWorkerMetadata(self._bad_donors), []
+        meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report)
+        self._bad_donors, self._capacity_report = [], None
         return meta
 
     def flush_captures(self) -> None:
