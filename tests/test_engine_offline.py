@@ -93,6 +93,7 @@ def expected_claim(doc_len, prompt_len):
 
 def test_exact_prefix_hit_equals_cold(llm, sched, worker, cases, reference):
     a, b, doc_len = cases["hit"]
+    assert len(worker.stacks) == 1  # all layers in one buffer: block copies are one op each
     run(llm, a)
     hits, loaded = sched.stats.totals["hit_tokens"], worker.stats.totals["loaded_tokens"]
     copied = worker.stats.totals["block_copied_tokens"]

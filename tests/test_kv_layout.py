@@ -136,7 +136,26 @@ def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
     write_range(layout.view(donor), [0, 1, 2, 3], 0, k, v)
     cache = torch.zeros(B, H, N, 2 * D)
     dst_blocks = [4, 0, 5, 2]
-    copy_tokens(donor, [0, 1, 2, 3], src_start, cache, dst_blocks, dst_start, count, layout)
+    copy_tokens(donor[None], [0, 1, 2, 3], src_start, cache[None], dst_blocks, dst_start, count,
+                layout)
     rk, rv = read_range(layout.view(cache), dst_blocks, dst_start, count)
     assert torch.equal(rk, k[src_start:src_start + count])
     assert torch.equal(rv, v[src_start:src_start + count])
+
+
+def test_stack_layers_views_one_buffer_and_falls_back():
+    from semshare_vllm.kv_layout import stack_layers
+
+    flat = torch.arange(3 * B * H * N * 2 * D, dtype=torch.float32)
+    layers = [flat[i * B * H * N * 2 * D:(i + 1) * B * H * N * 2 * D].view(B, H, N, 2 * D)
+              for i in range(3)]
+    [(span, stacked)] = stack_layers(layers)
+    assert span == slice(0, 3) and stacked.shape == (3, B, H, N, 2 * D)
+    for i in range(3):
+        assert torch.equal(stacked[i], layers[i])
+    stacked[2, 1] = -1  # a view: writes land in the layer tensors
+    assert (layers[2][1] == -1).all()
+    separate = [torch.zeros(B, H, N, 2 * D) for _ in range(2)]
+    stacks = stack_layers(separate)
+    assert [s for s, _ in stacks] == [slice(0, 1), slice(1, 2)]
+    assert stacks[1][1].data_ptr() == separate[1].data_ptr()

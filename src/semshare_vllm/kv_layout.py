@@ -284,17 +284,41 @@ class PageLayout:
 def copy_tokens(src: torch.Tensor, src_blocks: list[int], src_start: int, dst: torch.Tensor,
                 dst_blocks: list[int], dst_start: int, num_tokens: int,
                 layout: PageLayout) -> None:
-    """Copy the KV of ``num_tokens`` positions between two page tensors of the same layout
-    (the paged cache, or a donor's pages): whole blocks as raw pages when both ranges start on a
-    block boundary, anything else token by token through ``layout``'s view."""
-    bs = dst.shape[2]
+    """Copy the KV of ``num_tokens`` positions between two stacks of page tensors of the same
+    layout, ``[layers, blocks, H, N, C]`` (the paged cache, or donor pages): whole blocks as raw
+    pages when both ranges start on a block boundary (one indexing op for all layers), anything
+    else token by token through ``layout``'s view."""
+    bs = dst.shape[3]
     done = 0
     if src_start % bs == 0 and dst_start % bs == 0 and num_tokens >= bs:
         whole = num_tokens // bs
         s = torch.as_tensor(src_blocks[src_start // bs: src_start // bs + whole], device=src.device)
         d = torch.as_tensor(dst_blocks[dst_start // bs: dst_start // bs + whole], device=dst.device)
-        dst[d] = src[s].to(dst.device)
+        dst[:, d] = src[:, s].to(dst.device)
         done = whole * bs
     if done < num_tokens:
-        k, v = read_range(layout.view(src), src_blocks, src_start + done, num_tokens - done)
-        write_range(layout.view(dst), dst_blocks, dst_start + done, k, v)
+        for src_layer, dst_layer in zip(src, dst):
+            k, v = read_range(layout.view(src_layer), src_blocks, src_start + done,
+                              num_tokens - done)
+            write_range(layout.view(dst_layer), dst_blocks, dst_start + done, k, v)
+
+
+def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]:
+    """The per-layer KV tensors as ``[layers, blocks, H, N, C]`` stacks, for copies that move
+    every layer in one op (vLLM allocates all layers in one buffer, at a uniform stride, so this
+    is usually a single view); falls back to one stack per layer."""
+    first = caches[0]
+    uniform = len(caches) > 1 and all(
+        c.shape == first.shape and c.stride() == first.stride() and c.dtype == first.dtype
+        and c.device == first.device
+        and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for c in caches)
+    if uniform:
+        step = caches[1].storage_offset() - first.storage_offset()
+        if step >= first.numel() and all(
+                c.storage_offset() - first.storage_offset() == i * step
+                for i, c in enumerate(caches)):
+            stacked = torch.as_strided(first, (len(caches), *first.shape),
+                                       (step, *first.stride()), first.storage_offset())
+            return [(slice(0, len(caches)), stacked)]
+    return [(slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)]

@@ -24,7 +24,7 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
-from semshare_vllm.kv_layout import PageLayout, UnsupportedKVLayout, copy_tokens
+from semshare_vllm.kv_layout import PageLayout, UnsupportedKVLayout, copy_tokens, stack_layers
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -44,6 +44,8 @@ class SemShareWorker:
         self._vllm_config = vllm_config
         self.stats = StatsRecorder()
         self.caches: list[torch.Tensor] = []  # one paged KV tensor per layer, geometry order
+        # The same as [layers, blocks, H, N, C] stacks (usually one): (layer range, tensor)
+        self.stacks: list[tuple[slice, torch.Tensor]] = []
         self.layout: PageLayout | None = None
         self.store: HostKVStore | None = None
         self.disabled: str | None = geometry.unsupported
@@ -74,6 +76,7 @@ class SemShareWorker:
             if len(layouts) != 1:
                 raise UnsupportedKVLayout(f"layers differ in page layout: {layouts}")
             self.layout = layouts.pop()
+            self.stacks = stack_layers(self.caches)
         except (UnsupportedKVLayout, KeyError) as exc:
             self.disabled = f"KV layout not supported ({exc})"
             self.caches = []
@@ -127,9 +130,9 @@ class SemShareWorker:
         src = torch.as_tensor(spec.block_ids, device=self.caches[0].device)
         dst = torch.as_tensor(pool_blocks)
         pool = self.store.pool
-        with torch.inference_mode():
-            for layer, cache in enumerate(self.caches):
-                pool[layer].index_copy_(0, dst, cache.index_select(0, src).to("cpu"))
+        with torch.inference_mode():  # few big ops: the engine thread keeps the GIL meanwhile
+            for layers, stack in self.stacks:
+                pool[layers].index_copy_(1, dst, stack.index_select(1, src).to("cpu"))
             if self.store.persist_root is not None:
                 self.store.persist(spec.key, spec.token_ids, pool[:, dst])  # a copy
         return (time.perf_counter() - t0) * 1e3
@@ -167,15 +170,14 @@ class SemShareWorker:
             held = self._capturing.get(spec.key)
             if held is not None:  # still in its own blocks: copy block to block
                 donor_tokens, donor_blocks = len(held[0].token_ids), held[0].block_ids
-                sources = self.caches
             else:
                 donor_blocks = self.store.get(spec.key, self._capturing)
                 donor_tokens = len(donor_blocks) * self.geometry.block_size
-                sources = list(self.store.pool)
             if donor_tokens < spec.src_start + spec.num_tokens:
                 raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
-            for src, dst in zip(sources, self.caches):
-                copy_tokens(src, donor_blocks, spec.src_start, dst, spec.block_ids,
+            for layers, stack in self.stacks:
+                src = stack if held is not None else self.store.pool[layers]
+                copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
                             spec.dst_start, spec.num_tokens, self.layout)
         except Exception as exc:
             logger.warning("SemShare: loading donor %s for request %s failed (%s); "
