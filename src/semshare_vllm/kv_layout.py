@@ -286,21 +286,29 @@ def copy_tokens(src: torch.Tensor, src_blocks: list[int], src_start: int, dst: t
                 layout: PageLayout) -> None:
     """Copy the KV of ``num_tokens`` positions between two stacks of page tensors of the same
     layout, ``[layers, blocks, H, N, C]`` (the paged cache, or donor pages): whole blocks as raw
-    pages when both ranges start on a block boundary (one indexing op for all layers), anything
-    else token by token through ``layout``'s view."""
+    pages when both ranges start on a block boundary, anything else token by token through
+    ``layout``'s view."""
     bs = dst.shape[3]
     done = 0
     if src_start % bs == 0 and dst_start % bs == 0 and num_tokens >= bs:
         whole = num_tokens // bs
-        s = torch.as_tensor(src_blocks[src_start // bs: src_start // bs + whole], device=src.device)
-        d = torch.as_tensor(dst_blocks[dst_start // bs: dst_start // bs + whole], device=dst.device)
-        dst[:, d] = src[:, s].to(dst.device)
+        s0, d0 = src_start // bs, dst_start // bs
+        copy_blocks(src, src_blocks[s0:s0 + whole], dst, dst_blocks[d0:d0 + whole])
         done = whole * bs
     if done < num_tokens:
         for src_layer, dst_layer in zip(src, dst):
             k, v = read_range(layout.view(src_layer), src_blocks, src_start + done,
                               num_tokens - done)
             write_range(layout.view(dst_layer), dst_blocks, dst_start + done, k, v)
+
+
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor,
+                dst_blocks: list[int]) -> None:
+    """``dst[:, d] = src[:, s]`` for each block pair: one copy per block, all layers at once.
+    No gathered temporary: on CPU a fresh multi-MB temporary costs more in page faults than the
+    copy itself."""
+    for s, d in zip(src_blocks, dst_blocks):
+        dst[:, d].copy_(src[:, s], non_blocking=True)
 
 
 def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]:

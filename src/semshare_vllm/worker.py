@@ -24,7 +24,13 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
-from semshare_vllm.kv_layout import PageLayout, UnsupportedKVLayout, copy_tokens, stack_layers
+from semshare_vllm.kv_layout import (
+    PageLayout,
+    UnsupportedKVLayout,
+    copy_blocks,
+    copy_tokens,
+    stack_layers,
+)
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -127,14 +133,14 @@ class SemShareWorker:
         """On the capture thread: gather the donor's pages from its blocks into its pool blocks
         (positions past its last token in its last block are never read)."""
         t0 = time.perf_counter()
-        src = torch.as_tensor(spec.block_ids, device=self.caches[0].device)
-        dst = torch.as_tensor(pool_blocks)
         pool = self.store.pool
-        with torch.inference_mode():  # few big ops: the engine thread keeps the GIL meanwhile
+        with torch.inference_mode():
             for layers, stack in self.stacks:
-                pool[layers].index_copy_(1, dst, stack.index_select(1, src).to("cpu"))
+                copy_blocks(stack, spec.block_ids, pool[layers], pool_blocks)
+            if pool.is_pinned():
+                torch.cuda.current_stream().synchronize()  # the D2H copies were asynchronous
             if self.store.persist_root is not None:
-                self.store.persist(spec.key, spec.token_ids, pool[:, dst])  # a copy
+                self.store.persist(spec.key, spec.token_ids, pool[:, pool_blocks])  # a copy
         return (time.perf_counter() - t0) * 1e3
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
