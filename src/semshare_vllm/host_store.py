@@ -117,6 +117,8 @@ class HostKVStore:
             raise DonorUnavailable(f"{path}: page layout {header.layout}, this engine has "
                                    f"{self.layout}")
         blocks = self.allocate(key, pages.shape[1], pinned)
+        if self.pool.is_pinned():  # reused blocks may still feed an asynchronous upload
+            torch.cuda.current_stream().synchronize()
         self.pool[:, blocks] = pages
         return blocks
 

@@ -105,10 +105,11 @@ class VllmServer:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16,
-                 cache_salt: str | None = None, timeout_s: float = 600) -> Completion:
+                 cache_salt: str | None = None, timeout_s: float = 600,
+                 ignore_eos: bool = True) -> Completion:
         """Greedy streaming completion; TTFT is measured client-side to the first text chunk."""
         body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
                 "stream_options": {"include_usage": True}}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
