@@ -46,6 +46,9 @@ class SemShareConnector(KVConnectorBase_V1):
             # A donor that cannot be loaded must cost a recompute, never the request: vLLM reads
             # this policy right after building the scheduler-side connector.
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.info("SemShare: kv_load_failure_policy %r -> 'recompute' (a donor that "
+                            "cannot be loaded is recomputed, never fails the request)",
+                            self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.scheduler = SemShareScheduler(self.config, geometry)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
