@@ -17,8 +17,8 @@ the same code as the cache itself, and copied back whole block by whole block (`
 
 Both views offer ``read(slots) -> (K, V)`` and ``write(slots, K, V)`` with ``[len(slots), H, D]``
 tensors, ``slot = block_id * block_size + offset``, and the same for whole blocks
-(``read_blocks`` / ``write_blocks``: page copies, several times faster). ``read_range`` and
-``write_range`` move a run of token positions, whole blocks the fast way.
+(``read_blocks`` / ``write_blocks``: whole-page reshapes, ~4x faster than slot gathers on CPU).
+``read_range`` and ``write_range`` move a run of token positions, whole blocks the fast way.
 """
 
 from __future__ import annotations
