@@ -51,6 +51,7 @@ class SemShareScheduler:
         self._captures: list[CaptureSpec] = []
         self._evictions: list[DonorKey] = []
         self._capturing: set[str] = set()               # req ids whose blocks we hold
+        self._looked_up: set[str] = set()               # live req ids already counted
         if geometry.unsupported:
             logger.warning("SemShare disabled for this model: %s; requests are computed as usual",
                            geometry.unsupported)
@@ -63,8 +64,10 @@ class SemShareScheduler:
         if self.geometry.unsupported:
             return 0, False
         bs = self.geometry.block_size
-        self.stats.add("lookups")
-        self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
+        if request.request_id not in self._looked_up:  # vLLM re-asks while it cannot schedule
+            self._looked_up.add(request.request_id)
+            self.stats.add("lookups")
+            self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
         match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
         if match is None:
             return 0, False
@@ -101,6 +104,7 @@ class SemShareScheduler:
 
     # ---- capture ------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._looked_up.discard(request.request_id)
         if not self.config.capture or self.geometry.unsupported:
             return False, None
         # The KV of the last token is never computed (it was just sampled); with async
