@@ -132,3 +132,16 @@ def test_restore_skips_truncated_and_foreign_files(tmp_path):
     assert s.stats.totals["persisted_skipped"] == 3
     assert s.get_num_new_matched_tokens(request("t", good + [1], salt="ns"), 0) == (64, False)
     assert s.get_num_new_matched_tokens(request("t", list(range(500, 565)), salt="ns"), 0) == (0, False)
+
+
+def test_a_connector_fault_never_reaches_the_request():
+    """A fault inside lookup or capture is counted and the request is simply computed."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    finish(s, list(range(100)))
+    broken = request("x", list(range(100)))
+    broken.all_token_ids = None  # anything that makes our code raise
+    assert s.get_num_new_matched_tokens(broken, 0) == (0, False)
+    broken.num_computed_tokens = 99
+    assert s.request_finished(broken, [1, 2, 3, 4]) == (False, None)
+    assert s.stats.totals["fallbacks"] == 2
+    assert [c.req_id for c in s.build_connector_meta(None).captures] == ["done"]  # not "x"

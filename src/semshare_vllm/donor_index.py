@@ -97,11 +97,7 @@ class DonorIndex:
             return []
         if record.nbytes > self.capacity_bytes:
             return [record.key]
-        evicted = []
-        while self.used_bytes + record.nbytes > self.capacity_bytes and self._lru:
-            victim = next(iter(self._lru))
-            self.remove(victim)
-            evicted.append(victim)
+        evicted = self._evict_until(self.capacity_bytes - record.nbytes)
         self._lru[record.key] = record
         self.used_bytes += record.nbytes
         table = self._by_hash.setdefault(record.key.namespace, {})
@@ -112,8 +108,12 @@ class DonorIndex:
     def shrink(self, capacity_bytes: int) -> list[DonorKey]:
         """Lower the capacity; returns the keys evicted to fit (oldest first)."""
         self.capacity_bytes = min(self.capacity_bytes, capacity_bytes)
+        return self._evict_until(self.capacity_bytes)
+
+    def _evict_until(self, limit: int) -> list[DonorKey]:
+        """Evict least recently used donors until at most ``limit`` bytes are used."""
         evicted = []
-        while self.used_bytes > self.capacity_bytes and self._lru:
+        while self.used_bytes > limit and self._lru:
             victim = next(iter(self._lru))
             self.remove(victim)
             evicted.append(victim)

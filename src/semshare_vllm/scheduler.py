@@ -52,6 +52,7 @@ class SemShareScheduler:
         self._evictions: list[DonorKey] = []
         self._capturing: set[str] = set()               # req ids whose blocks we hold
         self._looked_up: set[str] = set()               # live req ids already counted
+        self._faults_logged: set[str] = set()
         if geometry.unsupported:
             logger.warning("SemShare disabled for this model: %s; requests are computed as usual",
                            geometry.unsupported)
@@ -60,6 +61,13 @@ class SemShareScheduler:
 
     # ---- hit path -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            return self._match(request, num_computed_tokens)
+        except Exception:  # a connector fault costs this request its reuse, nothing more
+            self._fault("lookup")
+            return 0, False
+
+    def _match(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         self._matches.pop(request.request_id, None)
         if self.geometry.unsupported:
             return 0, False
@@ -105,6 +113,20 @@ class SemShareScheduler:
     # ---- capture ------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._looked_up.discard(request.request_id)
+        try:
+            return self._capture_on_finish(request, block_ids)
+        except Exception:  # nothing was queued before the fault: vLLM frees the blocks now
+            self._fault("capture")
+            return False, None
+
+    def _fault(self, where: str) -> None:
+        self.stats.add("fallbacks")
+        if where not in self._faults_logged:
+            self._faults_logged.add(where)
+            logger.exception("SemShare: %s failed; the request is computed as usual (logged "
+                             "once, counted in stats as fallbacks)", where)
+
+    def _capture_on_finish(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if not self.config.capture or self.geometry.unsupported:
             return False, None
         # The KV of the last token is never computed (it was just sampled); with async

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -23,7 +22,7 @@ COUNTERS: dict[str, str] = {
     "donors_evicted": "donors evicted (capacity) or dropped (found bad)",
     "donors_restored": "donors found again in persist_dir at start-up",
     "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
-    "fallbacks": "requests that fell back to compute because of a connector fault",
+    "fallbacks": "lookups or captures abandoned because of a connector fault",
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
@@ -81,6 +80,3 @@ class StatsRecorder:
             return None
         out, self._interval = self._interval, SemShareStats()
         return out
-
-    def snapshot(self) -> dict[str, Any]:
-        return dict(self.totals)

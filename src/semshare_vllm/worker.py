@@ -83,11 +83,16 @@ class SemShareWorker:
                 raise UnsupportedKVLayout(f"layers differ in page layout: {layouts}")
             self.layout = layouts.pop()
             self.stacks = stack_layers(self.caches)
-        except (UnsupportedKVLayout, KeyError) as exc:
-            self.disabled = f"KV layout not supported ({exc})"
-            self.caches = []
-            logger.warning("SemShare disabled on this worker: %s", self.disabled)
+            self.store = self._make_store()
+        except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self.caches, self.stacks, self.store = [], [], None
+            logger.warning("SemShare disabled on this worker (requests are computed as usual, "
+                           "claims fail over to recompute): %s", self.disabled)
             return
+        self._capacity_report = self.store.capacity_bytes
+
+    def _make_store(self) -> HostKVStore:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         root = None
@@ -95,10 +100,9 @@ class SemShareWorker:
             root = Path(self.config.persist_dir) / self.geometry.fingerprint
         capacity = fit_to_memory(self.config.host_store_bytes, self.geometry.tp_size)
         cache = self.caches[0]
-        self.store = HostKVStore(capacity, list(self.geometry.layer_names), tuple(cache.shape[1:]),
-                                 cache.dtype, self.layout.name, get_tensor_model_parallel_rank(),
-                                 self.geometry.tp_size, root, pin_memory=cache.is_cuda)
-        self._capacity_report = self.store.capacity_bytes
+        return HostKVStore(capacity, list(self.geometry.layer_names), tuple(cache.shape[1:]),
+                           cache.dtype, self.layout.name, get_tensor_model_parallel_rank(),
+                           self.geometry.tp_size, root, pin_memory=cache.is_cuda)
 
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
