@@ -25,7 +25,8 @@ def geometry(**kw):
 def request(req_id, tokens, salt=None, computed=0, outputs=()):
     all_ids = list(tokens) + list(outputs)
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), all_token_ids=all_ids,
-                           num_tokens=len(all_ids), cache_salt=salt, num_computed_tokens=computed)
+                           num_tokens=len(all_ids), num_prompt_tokens=len(tokens),
+                           cache_salt=salt, num_computed_tokens=computed)
 
 
 class Blocks:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 ENV_PREFIX = "SEMSHARE_"
@@ -24,8 +25,10 @@ class SemShareConfigError(ValueError):
     """A bad configuration value; the message names the key."""
 
 
-def _knob(default: Any, doc: str, *, minimum: float | None = None, size: bool = False):
-    return field(default=default, metadata={"doc": doc, "min": minimum, "size": size})
+def _knob(default: Any, doc: str, *, minimum: float | None = None, maximum: float | None = None,
+          size: bool = False, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"doc": doc, "min": minimum, "max": maximum,
+                                            "size": size, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,44 @@ class SemShareConfig:
     min_reuse_tokens: int = _knob(
         32, "Smallest claim worth loading; shorter matches are computed. Claims are also "
         "rounded down to whole KV blocks.", minimum=1)
+
+    # ---- donor discovery ----------------------------------------------------------------------
+    embedder: str = _knob(
+        "onnx", "How prompts are embedded for semantic donor search: \"onnx\" (MiniLM on ONNX "
+        "Runtime; CUDA provider with onnxruntime-gpu), \"sentence-transformers\" (the same "
+        "model on torch), or \"none\" (exact-prefix reuse only).",
+        choices=("onnx", "sentence-transformers", "none"))
+    embedder_device: str = _knob(
+        "auto", "Where the embedder runs: \"auto\" (the GPU when there is one), \"cpu\", "
+        "\"cuda\".", choices=("auto", "cpu", "cuda"))
+    similarity_threshold: float = _knob(
+        0.6, "Smallest cosine similarity of prompt embeddings for a donor to be a candidate.",
+        minimum=-1.0, maximum=1.0)
+    top_k: int = _knob(
+        4, "Candidates returned by a donor search (best first).", minimum=1)
+    lookup_deadline_ms: int = _knob(
+        200, "How long a new request may wait for its donor search (vLLM re-asks; the request "
+        "is not scheduled meanwhile). Past it, the request proceeds without a semantic donor.",
+        minimum=0)
+    index_kind: str = _knob(
+        "auto", "Donor search: \"exact\" (numpy), \"faiss-flat\" (exact, FAISS), "
+        "\"faiss-ivf\" (approximate), \"auto\" (exact up to exact_search_max donors per "
+        "namespace, faiss-ivf beyond).", choices=("auto", "exact", "faiss-flat", "faiss-ivf"))
+    exact_search_max: int = _knob(
+        20_000, "With index_kind \"auto\": namespaces with more donors are searched with FAISS "
+        "IVF.", minimum=1)
+    eviction_policy: str = _knob(
+        "lru", "Which donor leaves when the store is full: \"lru\" (least recently used), "
+        "\"decay\" (lowest hits, decayed by time since last use), \"divergence\" (donors "
+        "whose reuses measured high deviation first, then LRU).",
+        choices=("lru", "decay", "divergence"))
+    decay_half_life_s: float = _knob(
+        3600.0, "With eviction_policy \"decay\": a donor's hit count halves in value after "
+        "this many seconds unused.", minimum=1e-3)
+    divergence_threshold: float = _knob(
+        0.3, "With eviction_policy \"divergence\": mean measured deviation (0-1) over a "
+        "donor's last reuses above which it is demoted (no longer offered), then evicted.",
+        minimum=0.0, maximum=1.0)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -79,8 +120,18 @@ class SemShareConfig:
         return dataclasses.asdict(self)
 
 
-# SEMSHARE_* variables that are not connector knobs (test bed and tooling).
+# SEMSHARE_* variables that are not connector knobs (where derived files are cached).
 _OTHER_SEMSHARE_ENV = frozenset({"SEMSHARE_CACHE_DIR"})
+
+
+def cache_dir() -> Path:
+    """Where derived files live (the embedder's ONNX export, the test bed's converted models):
+    ``$SEMSHARE_CACHE_DIR``, else ``~/.cache/semshare-vllm``."""
+    root = os.environ.get("SEMSHARE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "semshare-vllm")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _coerce(f: dataclasses.Field, raw: Any, where: str, *, from_env: bool) -> Any:
@@ -90,6 +141,12 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str, *, from_env: bool) -> An
         value = _as_bool(raw, where, from_env)
     elif kind == "int":
         value = _as_size(raw, where) if meta.get("size") else _as_int(raw, where, from_env)
+    elif kind == "float":
+        value = _as_float(raw, where, from_env)
+    elif kind == "str":
+        if not isinstance(raw, str):
+            raise SemShareConfigError(f"{where}: expected a string, got {raw!r}")
+        value = raw
     elif kind == "str | None":
         if raw is None or (from_env and raw == ""):
             value = None
@@ -99,9 +156,13 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str, *, from_env: bool) -> An
             raise SemShareConfigError(f"{where}: expected a string or null, got {raw!r}")
     else:  # pragma: no cover - a new field type must be handled here
         raise SemShareConfigError(f"{where}: unsupported field type {kind}")
-    minimum = meta.get("min")
+    minimum, maximum, choices = meta.get("min"), meta.get("max"), meta.get("choices")
     if minimum is not None and value is not None and value < minimum:
         raise SemShareConfigError(f"{where}: must be >= {minimum}, got {raw!r}")
+    if maximum is not None and value is not None and value > maximum:
+        raise SemShareConfigError(f"{where}: must be <= {maximum}, got {raw!r}")
+    if choices is not None and value not in choices:
+        raise SemShareConfigError(f"{where}: must be one of {', '.join(choices)}; got {raw!r}")
     return value
 
 
@@ -120,6 +181,17 @@ def _as_int(raw: Any, where: str, from_env: bool) -> int:
     if from_env and isinstance(raw, str) and re.fullmatch(r"\s*-?\d+\s*", raw):
         return int(raw)
     raise SemShareConfigError(f"{where}: expected an integer, got {raw!r}")
+
+
+def _as_float(raw: Any, where: str, from_env: bool) -> float:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    if from_env and isinstance(raw, str):
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    raise SemShareConfigError(f"{where}: expected a number, got {raw!r}")
 
 
 def _as_size(raw: Any, where: str) -> int:

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.discovery.service import build_discovery
 from semshare_vllm.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
 from semshare_vllm.scheduler import SemShareScheduler
@@ -50,7 +51,9 @@ class SemShareConnector(KVConnectorBase_V1):
                             "cannot be loaded is recomputed, never fails the request)",
                             self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.scheduler = SemShareScheduler(self.config, geometry)
+            discovery = None if geometry.unsupported else build_discovery(
+                self.config, vllm_config.model_config.tokenizer)
+            self.scheduler = SemShareScheduler(self.config, geometry, discovery)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
             self.worker = SemShareWorker(self.config, geometry, vllm_config)
@@ -74,6 +77,9 @@ class SemShareConnector(KVConnectorBase_V1):
         return False  # a best-effort cache: a lost capture is a future miss, nothing more
 
     # ---- scheduler side -----------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)  # starts the donor search off this thread
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -132,3 +138,5 @@ class SemShareConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

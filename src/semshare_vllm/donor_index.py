@@ -1,8 +1,11 @@
 """The scheduler's catalog of donors: what exists, in which namespace, and which prefix it shares.
 
-The catalog is authoritative for what the host store holds: it does the byte accounting and picks
-LRU victims, and the worker drops what it is told to. Namespaces are separate dictionaries, so a
-lookup in one namespace cannot see another's donors; the empty namespace is a namespace like any.
+The catalog is authoritative for what the host store holds: it does the byte accounting, asks the
+eviction policy (``eviction.py``) for victims, and the worker drops what it is told to. A donor's
+embedding enters the vector index (``discovery/vector_index.py``) through the catalog and leaves
+it with the donor, so there is never a vector without KV nor KV the search cannot see.
+Namespaces are separate dictionaries (and separate vector tables), so a lookup in one namespace
+cannot see another's donors; the empty namespace is a namespace like any.
 
 Exact-prefix matching uses a chain hash per block of ``block_size`` tokens: the hash of block i
 covers tokens [0, (i+1) * block_size), so the longest run of equal hashes is the longest
@@ -12,13 +15,20 @@ block-aligned common prefix.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from semshare_vllm.eviction import EvictionPolicy
 from semshare_vllm.metadata import DonorKey
+
+if TYPE_CHECKING:
+    from semshare_vllm.discovery.embedder import DocumentEmbedding
+    from semshare_vllm.discovery.vector_index import VectorIndex
 
 
 def donor_id_for(namespace: str, token_ids: Sequence[int]) -> str:
@@ -41,13 +51,28 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class DonorRecord:
     key: DonorKey
     token_ids: list[int]
     nbytes: int
     hashes: list[bytes] = field(repr=False)
+    num_prompt_tokens: int | None = None    # the prompt's share of token_ids (None: all)
     hits: int = 0
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    serial: int = 0                          # set by the catalog; tells re-adds apart
+    # discovery: set once the donor is embedded (off the scheduler thread)
+    embedding: "DocumentEmbedding | None" = field(default=None, repr=False)
+    fingerprint: int | None = None
+    # quality, reported by the recompute stage
+    deviation_reports: int = 0
+    deviation: float = 0.0
+    demoted: bool = False
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
 
 @dataclass(frozen=True)
@@ -57,10 +82,16 @@ class PrefixMatch:
 
 
 class DonorIndex:
-    def __init__(self, block_size: int, capacity_bytes: int):
+    def __init__(self, block_size: int, capacity_bytes: int,
+                 policy: EvictionPolicy | None = None, vectors: "VectorIndex | None" = None,
+                 clock=time.monotonic):
         self.block_size = block_size
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.policy = policy or EvictionPolicy()
+        self.vectors = vectors
+        self.clock = clock
+        self._serials = itertools.count(1)
         self._lru: OrderedDict[DonorKey, DonorRecord] = OrderedDict()
         # namespace -> chain hash -> donors having that block (most recent last)
         self._by_hash: dict[str, dict[bytes, list[DonorKey]]] = {}
@@ -98,6 +129,7 @@ class DonorIndex:
         if record.nbytes > self.capacity_bytes:
             return [record.key]
         evicted = self._evict_until(self.capacity_bytes - record.nbytes)
+        record.serial = next(self._serials)
         self._lru[record.key] = record
         self.used_bytes += record.nbytes
         table = self._by_hash.setdefault(record.key.namespace, {})
@@ -111,10 +143,10 @@ class DonorIndex:
         return self._evict_until(self.capacity_bytes)
 
     def _evict_until(self, limit: int) -> list[DonorKey]:
-        """Evict least recently used donors until at most ``limit`` bytes are used."""
+        """Evict the policy's victims until at most ``limit`` bytes are used."""
         evicted = []
         while self.used_bytes > limit and self._lru:
-            victim = next(iter(self._lru))
+            victim = self.policy.victim(self._lru)
             self.remove(victim)
             evicted.append(victim)
         return evicted
@@ -133,10 +165,43 @@ class DonorIndex:
                     del table[h]
         if not table:
             self._by_hash.pop(key.namespace, None)
+        if self.vectors is not None and record.embedding is not None:
+            self.vectors.remove(key.namespace, key)
         return record
 
     def touch(self, key: DonorKey) -> None:
         self._lru.move_to_end(key)
+        self._lru[key].last_used = self.clock()
+
+    # ---- discovery and quality ----------------------------------------------------------------
+    def set_embedding(self, key: DonorKey, serial: int, embedding: "DocumentEmbedding",
+                      fingerprint: int) -> bool:
+        """Attach a donor's embedding (computed off-thread for registration ``serial``) and make
+        it searchable; False when that registration is gone (evicted, replaced) meanwhile."""
+        record = self._lru.get(key)
+        if record is None or record.serial != serial:
+            return False
+        record.embedding, record.fingerprint = embedding, fingerprint
+        if self.vectors is not None and not record.demoted:
+            self.vectors.add(key.namespace, key, embedding.vector, fingerprint)
+        return True
+
+    def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:
+        """One measured deviation (0-1) of a reuse of ``key``, from the recompute stage.
+        Returns the keys evicted because of it (the donor itself, under ``divergence``)."""
+        record = self._lru.get(key)
+        if record is None:
+            return []
+        verdict = self.policy.on_deviation(record, deviation)
+        if verdict == "demote" and self.vectors is not None and record.embedding is not None:
+            self.vectors.remove(key.namespace, key)   # no longer offered by discovery
+        if verdict == "evict":
+            self.remove(key)
+            return [key]
+        return []
+
+    def records(self) -> list[DonorRecord]:
+        return list(self._lru.values())
 
     def longest_prefix(self, namespace: str, token_ids: Sequence[int],
                        hashes: Sequence[bytes] | None = None) -> PrefixMatch | None:

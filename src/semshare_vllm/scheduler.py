@@ -4,6 +4,12 @@ Hit path today (exact prefix): find the donor of the request's namespace that sh
 block-aligned prefix beyond vLLM's own prefix cache, claim it (leaving at least one token to
 compute), and tell the worker which donor tokens go into which blocks.
 
+Semantic discovery (``discovery/``): when a request arrives (``on_new_request``) its donor search
+starts on the discovery thread; ``get_num_new_matched_tokens`` answers None ("ask again") while
+the search runs, up to ``lookup_deadline_ms``, then records the donors found in ``found`` (the
+semantic hit path, alignment and recompute, builds on them). Finished requests are embedded on
+that thread too and become searchable when the scheduler thread attaches their vectors.
+
 Capture: when a request finishes, keep its blocks (``delay_free``) until the worker has copied
 its KV into the host store and reported the request in ``finished_sending``.
 """
@@ -11,10 +17,16 @@ its KV into the host store and reported the request in ``finished_sending``.
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from semshare_vllm import donor_file
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.discovery.service import DiscoveryService, Lookup
+from semshare_vllm.discovery.snapshot import SnapshotEntry, load_snapshot, write_snapshot
+from semshare_vllm.discovery.vector_index import Candidate
 from semshare_vllm.donor_index import (
     DonorIndex,
     DonorRecord,
@@ -30,22 +42,50 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
+from semshare_vllm.eviction import make_policy
 from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.scheduler")
+
+# How often (at most) the donors' embeddings are written beside their KV files.
+SNAPSHOT_INTERVAL_S = 30.0
 
 
 def namespace_of(request) -> str:
     return request.cache_salt or ""
 
 
+@dataclass
+class SemanticMatch:
+    """Donors discovery found for a request (valid when found: present, same namespace, not
+    demoted), best first, and the request's own embedding."""
+
+    candidates: list[Candidate]
+    lookup: Lookup
+
+
+@dataclass
+class _PendingLookup:
+    future: Future
+    started: float
+
+
 class SemShareScheduler:
-    def __init__(self, config: SemShareConfig, geometry: KVGeometry):
+    def __init__(self, config: SemShareConfig, geometry: KVGeometry,
+                 discovery: DiscoveryService | None = None):
         self.config = config
         self.geometry = geometry
         self.stats = StatsRecorder()
+        self.discovery = None if geometry.unsupported else discovery
+        policy = make_policy(config.eviction_policy, half_life_s=config.decay_half_life_s,
+                             threshold=config.divergence_threshold)
         # The worker's pool reports its real size in its first step (update_connector_output).
-        self.index = DonorIndex(geometry.block_size, config.host_store_bytes)
+        self.index = DonorIndex(geometry.block_size, config.host_store_bytes, policy,
+                                self.discovery.index if self.discovery else None)
+        self.found: dict[str, SemanticMatch] = {}       # req_id -> donors discovery found
+        self._lookups: dict[str, _PendingLookup] = {}
+        self._snapshot_dirty = False
+        self._snapshot_at = time.monotonic()
         self._matches: dict[str, PrefixMatch] = {}     # req_id -> match offered this step
         self._loads: list[LoadSpec] = []
         self._captures: list[CaptureSpec] = []
@@ -56,11 +96,120 @@ class SemShareScheduler:
         if geometry.unsupported:
             logger.warning("SemShare disabled for this model: %s; requests are computed as usual",
                            geometry.unsupported)
-        elif config.persist_dir:
-            self._restore(Path(config.persist_dir) / geometry.fingerprint)
+        elif self._persist_root is not None:
+            self._restore(self._persist_root)
+
+    @property
+    def _persist_root(self) -> Path | None:
+        if not self.config.persist_dir:
+            return None
+        return Path(self.config.persist_dir) / self.geometry.fingerprint
+
+    # ---- discovery ----------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        try:
+            self._start_lookup(request)
+        except Exception:
+            self._fault("discovery")
+
+    def _start_lookup(self, request) -> None:
+        d = self.discovery
+        if d is None or d.failed or request.num_prompt_tokens < self.config.min_reuse_tokens:
+            return
+        namespace = namespace_of(request)
+        if d.index.size(namespace) == 0:
+            return  # nothing to find: never make a request wait for an empty namespace
+        tokens = list(request.all_token_ids[:request.num_prompt_tokens])
+        self._lookups[request.request_id] = _PendingLookup(d.lookup(namespace, tokens),
+                                                           time.monotonic())
+        self.stats.add("semantic_lookups")
+
+    def _await_lookup(self, request, nothing_left: bool) -> bool:
+        """True while the request should wait for its donor search (vLLM re-asks next step)."""
+        pending = self._lookups.get(request.request_id)
+        if pending is None:
+            return False
+        waited_ms = (time.monotonic() - pending.started) * 1e3
+        if not pending.future.done():
+            if not nothing_left and waited_ms < self.config.lookup_deadline_ms:
+                return True
+            pending.future.cancel()
+            self.stats.add("lookup_timeouts" if not nothing_left else "lookups_skipped")
+        else:
+            self._take_lookup(request, pending.future)
+        del self._lookups[request.request_id]
+        self.stats.add("lookup_wait_ms", waited_ms)
+        return False
+
+    def _take_lookup(self, request, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # counted by the service as a discovery fault
+        lookup: Lookup = future.result()
+        self.stats.add("embed_ms", lookup.embed_ms)
+        namespace = namespace_of(request)
+        valid = []
+        for c in lookup.candidates:  # re-check: the donor may have gone while we searched
+            record = self.index.get(c.key)
+            if record is not None and record.key.namespace == namespace and not record.demoted:
+                valid.append(c)
+        if valid:
+            self.found[request.request_id] = SemanticMatch(valid, lookup)
+            self.stats.add("semantic_found")
+        else:
+            self.stats.add("semantic_misses")
+
+    def _absorb_embeddings(self) -> None:
+        """Attach donors' embeddings computed on the discovery thread (the catalog is only ever
+        changed on this thread)."""
+        if self.discovery is None:
+            return
+        for e in self.discovery.take_embedded():
+            if self.index.set_embedding(e.key, e.serial, e.embedding, e.fingerprint):
+                self.stats.add("donors_embedded")
+                self.stats.add("embed_ms", e.embed_ms)
+                self._snapshot_dirty = True
+        faults = self.discovery.take_faults()
+        if faults:
+            self.stats.add("discovery_faults", faults)
+
+    def report_deviation(self, key: DonorKey, deviation: float) -> None:
+        """The recompute stage's measured deviation (0-1) of one reuse of donor ``key``."""
+        self._evict(self.index.report_deviation(key, deviation))
+        self._snapshot_dirty = True
+
+    def _maybe_snapshot(self, force: bool = False) -> Future | None:
+        root = self._persist_root
+        if self.discovery is None or root is None or not self._snapshot_dirty:
+            return None
+        if not force and time.monotonic() - self._snapshot_at < SNAPSHOT_INTERVAL_S:
+            return None
+        self._snapshot_dirty, self._snapshot_at = False, time.monotonic()
+        records = [r for r in self.index.records() if r.embedding is not None]
+        embedder_id = self.discovery.embedder_id
+
+        def write():  # on the discovery thread: entries are built there too
+            now = time.monotonic()
+            write_snapshot(root, [SnapshotEntry(
+                r.key.namespace, r.key.donor_id, r.embedding, r.fingerprint, r.hits,
+                now - r.last_used, r.deviation_reports, r.deviation, r.demoted)
+                for r in records], embedder_id)
+        return self.discovery.write_snapshot(write)
+
+    def shutdown(self) -> None:
+        if self.discovery is None:
+            return
+        self._absorb_embeddings()
+        pending = self._maybe_snapshot(force=True)
+        if pending is not None:
+            try:
+                pending.result(timeout=60)
+            except Exception:
+                pass  # logged by the service
+        self.discovery.close()
 
     # ---- hit path -----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
             return self._match(request, num_computed_tokens)
         except Exception:  # a connector fault costs this request its reuse, nothing more
@@ -76,14 +225,15 @@ class SemShareScheduler:
             self._looked_up.add(request.request_id)
             self.stats.add("lookups")
             self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
+        self._absorb_embeddings()
         match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
-        if match is None:
-            return 0, False
         # vLLM must compute at least one token itself, and our claims end on a block boundary.
         limit = ((request.num_tokens - 1) // bs) * bs
-        end = min(match.num_tokens, limit)
+        end = min(match.num_tokens, limit) if match is not None else 0
+        if self._await_lookup(request, nothing_left=max(end, num_computed_tokens) >= limit):
+            return None, False
         claim = end - num_computed_tokens
-        if claim < max(self.config.min_reuse_tokens, 1):
+        if match is None or claim < max(self.config.min_reuse_tokens, 1):
             return 0, False
         self._matches[request.request_id] = PrefixMatch(match.key, end)
         return claim, False
@@ -108,11 +258,17 @@ class SemShareScheduler:
                                          loads=self._loads)
         self._evictions, self._captures, self._loads = [], [], []
         self._matches.clear()
+        self._absorb_embeddings()
+        self._maybe_snapshot()
         return meta
 
     # ---- capture ------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._looked_up.discard(request.request_id)
+        self.found.pop(request.request_id, None)
+        pending = self._lookups.pop(request.request_id, None)
+        if pending is not None:
+            pending.future.cancel()
         try:
             return self._capture_on_finish(request, block_ids)
         except Exception:  # nothing was queued before the fault: vLLM frees the blocks now
@@ -144,11 +300,13 @@ class SemShareScheduler:
             return False, None
         key = DonorKey(namespace, donor_id_for(namespace, token_ids))
         record = DonorRecord(key, token_ids, self.geometry.donor_bytes(n),
-                             block_hashes(token_ids, bs))
+                             block_hashes(token_ids, bs),
+                             num_prompt_tokens=min(request.num_prompt_tokens, n))
         evicted = self.index.add(record)
         if key in evicted:  # larger than the whole store
             return False, None
         self._evict(evicted)
+        self._embed_later(record)
         self._captures.append(CaptureSpec(request.request_id, key, token_ids, blocks))
         self._capturing.add(request.request_id)
         self.stats.add("donors_registered")
@@ -173,6 +331,11 @@ class SemShareScheduler:
         if keys:
             self._evictions.extend(keys)
             self.stats.add("donors_evicted", len(keys))
+            self._snapshot_dirty = True
+
+    def _embed_later(self, record: DonorRecord) -> None:
+        if self.discovery is not None and record.serial and record.key in self.index:
+            self.discovery.register(record.key, record.serial, record.prompt_token_ids)
 
     # ---- persistence --------------------------------------------------------------------------
     def _restore(self, root: Path) -> None:
@@ -201,3 +364,15 @@ class SemShareScheduler:
             self.stats.add("donors_restored")
         if len(self.index):
             logger.info("SemShare: restored %d donors from %s", len(self.index), root)
+        if self.discovery is None:
+            return
+        saved = load_snapshot(root, self.discovery.embedder_id)
+        for record in self.index.records():
+            entry = saved.get((record.key.namespace, record.key.donor_id))
+            if entry is None:
+                self._embed_later(record)  # not in the snapshot: embed it again
+                continue
+            record.hits, record.deviation_reports = entry.hits, entry.deviation_reports
+            record.deviation, record.demoted = entry.deviation, entry.demoted
+            self.index.set_embedding(record.key, record.serial, entry.embedding,
+                                     entry.fingerprint)

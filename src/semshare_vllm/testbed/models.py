@@ -16,16 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from semshare_vllm.config import cache_dir
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SEMSHARE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "semshare-vllm"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _gguf_path() -> Path:

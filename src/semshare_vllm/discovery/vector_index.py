@@ -1,0 +1,233 @@
+"""Cosine top-k search over donor vectors, one table per namespace.
+
+A namespace is a hard filter by construction: each has its own table, and a search reads only
+the table of its namespace (the empty namespace is a table like any other, never "all").
+
+Search kinds (``index_kind`` in the config):
+
+* ``exact``: numpy matrix-vector product over the table; results are exact.
+* ``faiss-flat``: FAISS ``IndexFlatIP`` (exact, the same results as ``exact``).
+* ``faiss-ivf``: FAISS ``IndexIVFFlat`` (approximate: ``nprobe`` of ``nlist`` lists are read),
+  for very large namespaces; trained on the discovery thread, exact search until it is ready.
+* ``auto``: ``exact`` up to ``exact_max`` donors in a namespace, ``faiss-ivf`` beyond.
+
+With a GPU and a FAISS GPU build, the FAISS tables live on the GPU. Every table also keeps the
+64-bit SimHash of each donor, for the near-duplicate scan that needs no embedding.
+
+Thread-safety: one lock. The scheduler thread adds and removes (cheap), the discovery thread
+searches and builds FAISS tables (the slow training runs outside the lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+
+from semshare_vllm.discovery.simhash import hamming
+
+logger = logging.getLogger("vllm.semshare.index")
+
+KINDS = ("auto", "exact", "faiss-flat", "faiss-ivf")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: Hashable
+    score: float       # cosine similarity, or 1 - bits/64 for a SimHash match
+    method: str        # "cosine" or "simhash"
+
+
+class _Table:
+    """One namespace: rows of unit vectors with their keys and fingerprints."""
+
+    def __init__(self, dim: int):
+        self.vectors = np.zeros((16, dim), dtype=np.float32)
+        self.fingerprints = np.zeros(16, dtype=np.uint64)
+        self.ids = np.zeros(16, dtype=np.int64)     # stable id of each row (FAISS ids)
+        self.keys: list[Hashable] = []
+        self.row_of: dict[Hashable, int] = {}
+        self.key_of_id: dict[int, Hashable] = {}
+        self.faiss = None                 # FAISS index over the same rows, once built
+        self.faiss_size = 0               # rows when it was built (rebuild past 2x)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, key: Hashable, vector: np.ndarray, fingerprint: int, vid: int) -> None:
+        n = len(self.keys)
+        if n == len(self.vectors):
+            self.vectors = np.concatenate([self.vectors, np.zeros_like(self.vectors)])
+            self.fingerprints = np.concatenate([self.fingerprints,
+                                                np.zeros_like(self.fingerprints)])
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+        self.vectors[n] = vector
+        self.fingerprints[n] = np.uint64(fingerprint)
+        self.ids[n] = vid
+        self.keys.append(key)
+        self.row_of[key] = n
+        self.key_of_id[vid] = key
+        if self.faiss is not None:
+            self.faiss.add_with_ids(vector[None, :], np.asarray([vid], dtype=np.int64))
+
+    def remove(self, key: Hashable) -> None:
+        row = self.row_of.pop(key)
+        last = len(self.keys) - 1
+        vid = int(self.ids[row])
+        del self.key_of_id[vid]
+        if row != last:  # move the last row into the hole
+            self.vectors[row] = self.vectors[last]
+            self.fingerprints[row] = self.fingerprints[last]
+            self.ids[row] = self.ids[last]
+            self.keys[row] = self.keys[last]
+            self.row_of[self.keys[row]] = row
+        self.keys.pop()
+        if self.faiss is not None:
+            self.faiss.remove_ids(np.asarray([vid], dtype=np.int64))
+
+
+class VectorIndex:
+    def __init__(self, dim: int = 384, kind: str = "auto", exact_max: int = 20_000,
+                 nprobe: int = 16, use_gpu: bool = False):
+        if kind not in KINDS:
+            raise ValueError(f"index kind {kind!r} not in {KINDS}")
+        self.dim = dim
+        self.kind = kind
+        self.exact_max = exact_max
+        self.nprobe = nprobe
+        self.use_gpu = use_gpu
+        self._tables: dict[str, _Table] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    def size(self, namespace: str) -> int:
+        table = self._tables.get(namespace)
+        return len(table) if table is not None else 0
+
+    def __contains__(self, item: tuple[str, Hashable]) -> bool:
+        namespace, key = item
+        table = self._tables.get(namespace)
+        return table is not None and key in table.row_of
+
+    # ---- mutation (scheduler thread) ----------------------------------------------------------
+    def add(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int) -> None:
+        vector = np.asarray(vector, dtype=np.float32).reshape(self.dim)
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None:
+                table = self._tables[namespace] = _Table(self.dim)
+                if self.kind == "faiss-flat":
+                    table.faiss = self._flat()
+            if key in table.row_of:
+                table.remove(key)
+            self._next_id += 1
+            table.add(key, vector, fingerprint, self._next_id)
+
+    def remove(self, namespace: str, key: Hashable) -> bool:
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None or key not in table.row_of:
+                return False
+            table.remove(key)
+            if not table.keys:
+                del self._tables[namespace]
+            return True
+
+    # ---- search (discovery thread) ------------------------------------------------------------
+    def search(self, namespace: str, vector: np.ndarray, k: int,
+               threshold: float = -1.0) -> list[Candidate]:
+        """The ``k`` most similar donors of ``namespace`` with cosine >= ``threshold``, best first."""
+        q = np.asarray(vector, dtype=np.float32).reshape(1, self.dim)
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None or k <= 0:
+                return []
+            n = len(table)
+            if table.faiss is not None:
+                if hasattr(table.faiss, "nprobe"):
+                    table.faiss.nprobe = self.nprobe
+                scores, ids = table.faiss.search(q, min(k, n))
+                found = [(table.key_of_id[int(i)], float(s))
+                         for s, i in zip(scores[0], ids[0]) if i >= 0]
+            else:
+                scores = table.vectors[:n] @ q[0]
+                top = np.argpartition(-scores, min(k, n) - 1)[:k] if n > k else np.arange(n)
+                top = top[np.argsort(-scores[top], kind="stable")]
+                found = [(table.keys[i], float(scores[i])) for i in top]
+        return [Candidate(key, s, "cosine") for key, s in found if s >= threshold]
+
+    def near_duplicates(self, namespace: str, fingerprint: int,
+                        max_bits: int) -> list[Candidate]:
+        """Donors of ``namespace`` whose SimHash is within ``max_bits`` of ``fingerprint``."""
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None:
+                return []
+            d = hamming(table.fingerprints[:len(table)], fingerprint)
+            rows = np.flatnonzero(d <= max_bits)
+            rows = rows[np.argsort(d[rows], kind="stable")]
+            return [Candidate(table.keys[r], 1.0 - float(d[r]) / 64, "simhash") for r in rows]
+
+    # ---- FAISS tables (discovery thread) ------------------------------------------------------
+    def build_pending(self) -> int:
+        """Build (or rebuild, past twice the size trained on) the IVF tables of namespaces that
+        need one. Training runs outside the lock; rows added meanwhile are included."""
+        built = 0
+        for namespace in list(self._tables):
+            with self._lock:
+                table = self._tables.get(namespace)
+                if table is None or not self._wants_ivf(table):
+                    continue
+                sample = table.vectors[:len(table)].copy()
+            index = self._trained_ivf(sample)
+            with self._lock:
+                if self._tables.get(namespace) is not table:
+                    continue
+                n = len(table)
+                index.add_with_ids(table.vectors[:n], table.ids[:n].copy())
+                table.faiss, table.faiss_size = self._to_gpu(index), n
+            built += 1
+            logger.info("SemShare: FAISS IVF table for a namespace of %d donors", n)
+        return built
+
+    def _wants_ivf(self, table: _Table) -> bool:
+        if self.kind not in ("auto", "faiss-ivf"):
+            return False
+        n = len(table)
+        big_enough = n > self.exact_max if self.kind == "auto" else n >= 256
+        return big_enough and (table.faiss is None or n > 2 * table.faiss_size)
+
+    def _trained_ivf(self, vectors: np.ndarray):
+        import faiss
+
+        n = len(vectors)
+        nlist = int(min(max(4 * np.sqrt(n), 16), 1024, n // 8))
+        quantizer = faiss.IndexFlatIP(self.dim)
+        index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(0)
+        train = vectors if n <= 64 * nlist else vectors[rng.choice(n, 64 * nlist, replace=False)]
+        index.train(train)
+        index.nprobe = self.nprobe
+        return index
+
+    def _flat(self):
+        import faiss
+
+        return self._to_gpu(faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim)))
+
+    def _to_gpu(self, index):
+        if not self.use_gpu:
+            return index
+        import faiss
+
+        if not hasattr(faiss, "StandardGpuResources"):
+            return index
+        if not hasattr(self, "_gpu_res"):
+            self._gpu_res = faiss.StandardGpuResources()
+        return faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
