@@ -130,6 +130,7 @@ class DonorIndex:
             return [record.key]
         evicted = self._evict_until(self.capacity_bytes - record.nbytes)
         record.serial = next(self._serials)
+        record.created = record.last_used = self.clock()
         self._lru[record.key] = record
         self.used_bytes += record.nbytes
         table = self._by_hash.setdefault(record.key.namespace, {})

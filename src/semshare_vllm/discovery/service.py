@@ -226,8 +226,7 @@ def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | No
     )
 
     device = resolve_device(config.embedder_device)
-    index = VectorIndex(kind=config.index_kind, exact_max=config.exact_search_max,
-                        use_gpu=device.startswith("cuda"))
+    index = VectorIndex(kind=config.index_kind, exact_max=config.exact_search_max)
     return DiscoveryService(lambda: make_embedder(config.embedder, device=device),
                             hf_detokenizer(tokenizer_path), index, top_k=config.top_k,
                             threshold=config.similarity_threshold,

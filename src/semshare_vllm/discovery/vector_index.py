@@ -11,8 +11,9 @@ Search kinds (``index_kind`` in the config):
   for very large namespaces; trained on the discovery thread, exact search until it is ready.
 * ``auto``: ``exact`` up to ``exact_max`` donors in a namespace, ``faiss-ivf`` beyond.
 
-With a GPU and a FAISS GPU build, the FAISS tables live on the GPU. Every table also keeps the
-64-bit SimHash of each donor, for the near-duplicate scan that needs no embedding.
+FAISS tables stay on the CPU even with a GPU: donors leave one at a time, and FAISS's GPU indexes
+cannot remove entries. Every table also keeps the 64-bit SimHash of each donor, for the
+near-duplicate scan that needs no embedding.
 
 Thread-safety: one lock. The scheduler thread adds and removes (cheap), the discovery thread
 searches and builds FAISS tables (the slow training runs outside the lock).
@@ -91,14 +92,13 @@ class _Table:
 
 class VectorIndex:
     def __init__(self, dim: int = 384, kind: str = "auto", exact_max: int = 20_000,
-                 nprobe: int = 16, use_gpu: bool = False):
+                 nprobe: int = 16):
         if kind not in KINDS:
             raise ValueError(f"index kind {kind!r} not in {KINDS}")
         self.dim = dim
         self.kind = kind
         self.exact_max = exact_max
         self.nprobe = nprobe
-        self.use_gpu = use_gpu
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
         self._next_id = 0
@@ -191,7 +191,7 @@ class VectorIndex:
                     continue
                 n = len(table)
                 index.add_with_ids(table.vectors[:n], table.ids[:n].copy())
-                table.faiss, table.faiss_size = self._to_gpu(index), n
+                table.faiss, table.faiss_size = index, n
             built += 1
             logger.info("SemShare: FAISS IVF table for a namespace of %d donors", n)
         return built
@@ -219,15 +219,4 @@ class VectorIndex:
     def _flat(self):
         import faiss
 
-        return self._to_gpu(faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim)))
-
-    def _to_gpu(self, index):
-        if not self.use_gpu:
-            return index
-        import faiss
-
-        if not hasattr(faiss, "StandardGpuResources"):
-            return index
-        if not hasattr(self, "_gpu_res"):
-            self._gpu_res = faiss.StandardGpuResources()
-        return faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
+        return faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))

@@ -1,0 +1,203 @@
+"""Discovery wired into the scheduler half (no engine): searches run off the scheduler thread,
+requests wait for them up to the deadline, namespaces never mix, donors' embeddings attach
+through the catalog and come back from the snapshot after a restart.
+
+The embedder here is a stand-in (a bag of token ids, gated by an event) so each test controls
+when a search finishes; the real MiniLM runners are tested in test_embedder.py and through a
+real `vllm serve` in test_engine_server.py."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.discovery.embedder import DocumentEmbedding
+from semshare_vllm.discovery.service import DiscoveryService
+from semshare_vllm.discovery.vector_index import VectorIndex
+from semshare_vllm.scheduler import SemShareScheduler
+from test_scheduler import finish, geometry, request
+
+VOCAB = 512
+
+
+class BagOfTokens:
+    """Text is space-separated token ids; the vector is their normalised histogram."""
+
+    name = "bag"
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls = 0
+
+    def embed(self, text):
+        self.gate.wait(30)
+        self.calls += 1
+        v = np.bincount([int(t) % VOCAB for t in text.split()], minlength=VOCAB).astype(np.float32)
+        v /= max(np.linalg.norm(v), 1e-9)
+        return DocumentEmbedding(v, v[None, :], len(text.split()))
+
+
+def scheduler(embedder=None, **cfg):
+    embedder = embedder or BagOfTokens()
+    service = DiscoveryService(lambda: embedder, lambda ids: " ".join(map(str, ids)),
+                               VectorIndex(dim=VOCAB, kind="exact"), top_k=3,
+                               threshold=cfg.pop("similarity_threshold", 0.6),
+                               embedder_id="bag-v1")
+    config = SemShareConfig(**{"lookup_deadline_ms": 5000, **cfg})
+    s = SemShareScheduler(config, geometry(), service)
+    return s, embedder
+
+
+def settle(s):
+    assert s.discovery.wait_idle()
+    s.build_connector_meta(None)   # the scheduler thread attaches finished embeddings
+
+
+def ask(s, req, timeout_s=10):
+    """Ask like vLLM does: again each step while the answer is None."""
+    deadline = time.monotonic() + timeout_s
+    answers = []
+    while time.monotonic() < deadline:
+        answers.append(s.get_num_new_matched_tokens(req, 0))
+        if answers[-1][0] is not None:
+            return answers
+        time.sleep(0.005)
+    raise AssertionError("still pending")
+
+
+DOC = list(range(100, 300))
+
+
+def test_a_reworded_prompt_finds_its_donor_off_thread():
+    s, emb = scheduler()
+    finish(s, DOC)                                   # a donor: doc behind instruction 1
+    settle(s)
+    assert s.stats.totals["donors_embedded"] == 1
+    emb.gate.clear()                                 # the search cannot finish yet
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])  # another instruction, no common prefix
+    s.on_new_request(target)
+    assert s.get_num_new_matched_tokens(target, 0) == (None, False)  # vLLM will ask again
+    assert s.get_num_new_matched_tokens(target, 0) == (None, False)
+    emb.gate.set()
+    answers = ask(s, target)
+    assert answers[-1] == (0, False)                 # found, but nothing claimed yet
+    match = s.found["t"]
+    assert match.candidates[0].score > 0.75 and match.candidates[0].method == "cosine"
+    assert match.candidates[0].key in s.index
+    assert s.stats.totals["semantic_found"] == 1
+    s.request_finished(target, [])
+    assert "t" not in s.found
+
+
+def test_past_the_deadline_the_request_goes_on():
+    s, emb = scheduler(lookup_deadline_ms=50)
+    finish(s, DOC)
+    settle(s)
+    emb.gate.clear()
+    target = request("t", [7] * 20 + DOC)
+    s.on_new_request(target)
+    t0 = time.monotonic()
+    answers = ask(s, target)
+    assert answers[0] == (None, False) and answers[-1] == (0, False)
+    assert 0.04 <= time.monotonic() - t0 < 2
+    assert s.stats.totals["lookup_timeouts"] == 1 and "t" not in s.found
+    emb.gate.set()
+
+
+def test_no_wait_when_the_namespace_is_empty_or_the_prefix_covers_it():
+    s, emb = scheduler()
+    finish(s, DOC, salt="a")
+    settle(s)
+    other = request("b", DOC, salt="b")
+    s.on_new_request(other)                    # tenant b has no donors: no search at all
+    assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert s.stats.totals["semantic_lookups"] == 0
+    emb.gate.clear()
+    same = request("a", DOC[:161], salt="a")   # the exact prefix already covers what can be
+    s.on_new_request(same)
+    assert s.get_num_new_matched_tokens(same, 0) == (160, False)
+    assert s.stats.totals["lookups_skipped"] == 1
+    emb.gate.set()
+
+
+def test_namespaces_never_mix_in_search():
+    s, _ = scheduler()
+    finish(s, DOC, salt="a")
+    finish(s, list(range(300, 500)), salt="b")
+    settle(s)
+    target = request("t", [5] * 10 + DOC, salt="b")   # a's document, asked by b
+    s.on_new_request(target)
+    ask(s, target)
+    assert "t" not in s.found and s.stats.totals["semantic_misses"] == 1
+
+
+def test_an_evicted_donor_is_not_offered():
+    per_token = geometry().bytes_per_token
+    s, emb = scheduler(host_store_bytes=300 * per_token)
+    finish(s, DOC, outputs=())
+    settle(s)
+    emb.gate.clear()
+    target = request("t", [7] * 20 + DOC)
+    s.on_new_request(target)
+    # while the search runs, two new donors push the first one out of the store
+    finish(s, list(range(1000, 1100)), outputs=())
+    finish(s, list(range(2000, 2100)), outputs=())
+    assert s.discovery.index.size("") == 0
+    emb.gate.set()
+    ask(s, target)
+    assert "t" not in s.found
+
+
+def test_near_duplicates_need_no_embedding():
+    s, emb = scheduler()
+    finish(s, DOC)
+    settle(s)
+    calls = emb.calls
+    target = request("t", DOC[:100] + [1, 2] + DOC[102:])   # two tokens changed
+    s.on_new_request(target)
+    ask(s, target)
+    assert s.found["t"].candidates[0].method == "simhash" and emb.calls == calls
+
+
+def test_embeddings_come_back_from_the_snapshot(tmp_path):
+    import torch
+    from semshare_vllm import donor_file
+    from semshare_vllm.donor_index import donor_id_for
+
+    root = tmp_path / "fp"
+    tokens = DOC[:128]
+    donor_id = donor_id_for("", tokens)
+    donor_file.write(donor_file.donor_path(root, donor_id, 0, 1), "", donor_id, tokens,
+                     ["l0", "l1"], "L", torch.zeros(2, 4, 32, 2, 8))
+    s, emb = scheduler(persist_dir=str(tmp_path))
+    settle(s)                                   # restored donor embedded again (no snapshot)
+    assert emb.calls == 1 and s.discovery.index.size("") == 1
+    s.index.records()[0].hits = 3
+    s._snapshot_dirty = True
+    s.shutdown()                                # writes the snapshot
+    assert (root / "discovery.v1.npz").is_file()
+
+    again, emb2 = scheduler(persist_dir=str(tmp_path))
+    settle(again)
+    assert emb2.calls == 0                      # from the snapshot, not re-embedded
+    assert again.discovery.index.size("") == 1 and again.index.records()[0].hits == 3
+    again.shutdown()
+
+
+def test_an_embedder_that_cannot_load_turns_discovery_off():
+    def broken():
+        raise RuntimeError("no model here")
+
+    service = DiscoveryService(broken, str, VectorIndex(dim=VOCAB), top_k=3, threshold=0.6,
+                               embedder_id="x")
+    s = SemShareScheduler(SemShareConfig(), geometry(), service)
+    finish(s, DOC)
+    settle(s)
+    assert service.failed and "no model here" in service.failed
+    target = request("t", DOC)
+    s.on_new_request(target)
+    assert s.get_num_new_matched_tokens(target, 0) == (192, False)  # exact prefix still works

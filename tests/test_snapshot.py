@@ -1,0 +1,87 @@
+"""The discovery snapshot: round trip, foreign or corrupt files ignored, and a writer killed with
+SIGKILL mid-write never leaves a broken snapshot."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from semshare_vllm.discovery.embedder import DocumentEmbedding
+from semshare_vllm.discovery.snapshot import (
+    FILENAME,
+    SnapshotEntry,
+    load_snapshot,
+    write_snapshot,
+)
+
+
+def entries(n, dim=384, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        segs = rng.standard_normal((1 + i % 3, dim)).astype(np.float32)
+        vec = segs.mean(0) / np.linalg.norm(segs.mean(0))
+        out.append(SnapshotEntry(f"ns{i % 2}", f"donor{i}", DocumentEmbedding(vec, segs, 100 + i),
+                                 (2**64 - 1) - i, hits=i, idle_s=1.5 * i, deviation_reports=i % 4,
+                                 deviation=0.1 * (i % 4), demoted=i == 3))
+    return out
+
+
+def test_round_trip(tmp_path):
+    written = entries(7)
+    write_snapshot(tmp_path, written, "emb-1")
+    loaded = load_snapshot(tmp_path, "emb-1")
+    assert len(loaded) == 7
+    for e in written:
+        got = loaded[(e.namespace, e.donor_id)]
+        assert np.array_equal(got.embedding.vector, e.embedding.vector)
+        assert np.array_equal(got.embedding.segments, e.embedding.segments)
+        assert got.fingerprint == e.fingerprint and got.embedding.num_tokens == e.embedding.num_tokens
+        assert (got.hits, got.deviation_reports, got.demoted) == (e.hits, e.deviation_reports,
+                                                                  e.demoted)
+        assert got.deviation == e.deviation and got.idle_s == e.idle_s
+
+
+def test_another_embedder_or_a_corrupt_file_is_ignored(tmp_path):
+    write_snapshot(tmp_path, entries(3), "emb-1")
+    assert load_snapshot(tmp_path, "emb-2") == {}
+    path = tmp_path / FILENAME
+    path.write_bytes(path.read_bytes()[:200])
+    assert load_snapshot(tmp_path, "emb-1") == {}
+    assert load_snapshot(tmp_path / "absent", "emb-1") == {}
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_snapshot import entries
+from semshare_vllm.discovery.snapshot import write_snapshot
+n = 1
+while True:  # ever larger snapshots, as fast as possible, until killed
+    write_snapshot({dir!r}, entries(n), "emb-1")
+    print(n, flush=True)
+    n = n % 400 + 1
+"""
+
+
+def test_kill_9_during_writes_leaves_a_whole_snapshot(tmp_path):
+    script = WRITER.format(tests=os.path.dirname(__file__), dir=str(tmp_path))
+    rng = np.random.default_rng(0)
+    for round_ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline()          # at least one snapshot finished
+        time.sleep(float(rng.uniform(0.05, 0.6)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        loaded = load_snapshot(tmp_path, "emb-1")
+        n = len(loaded)
+        assert n >= 1, f"round {round_}: no snapshot survived"
+        expected = entries(n)                   # exactly one complete version, never a mix
+        assert set(loaded) == {(e.namespace, e.donor_id) for e in expected}
+        for e in expected:
+            assert np.array_equal(loaded[(e.namespace, e.donor_id)].embedding.segments,
+                                  e.embedding.segments)
+        assert not list(tmp_path.glob(".discovery.*"))   # strays cleaned at load
