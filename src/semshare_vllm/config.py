@@ -60,7 +60,7 @@ class SemShareConfig:
         "auto", "Where the embedder runs: \"auto\" (the GPU when there is one), \"cpu\", "
         "\"cuda\".", choices=("auto", "cpu", "cuda"))
     similarity_threshold: float = _knob(
-        0.6, "Smallest cosine similarity of prompt embeddings for a donor to be a candidate.",
+        0.7, "Smallest cosine similarity of prompt embeddings for a donor to be a candidate.",
         minimum=-1.0, maximum=1.0)
     top_k: int = _knob(
         4, "Candidates returned by a donor search (best first).", minimum=1)

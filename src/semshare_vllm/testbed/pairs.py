@@ -1,0 +1,405 @@
+"""Donor/target pairs built from real text, and how well semantic discovery finds the donors.
+
+Discovery is only worth its cost if it finds the prompt a request could reuse and refuses the
+prompts it could not. Synthetic strings say little about either, so every pair here comes from
+the real corpora of ``testbed.text`` (Wikipedia lead extracts, the Lee news corpus):
+
+* ``cross-instruction``: one document behind two different instruction templates / chat
+  wrappers (the same context, asked different things);
+* ``reordered``: 4-6 encyclopedia extracts concatenated under one RAG header as the donor, the
+  same extracts permuted under another header as the target;
+* ``edited``: a document with a fraction (``level``) of its sentences deleted or replaced by
+  sentences of other documents of the same corpus; one donor gives one target per level;
+* negatives: unrelated documents (sharing no source text with any donor) dressed in the donors'
+  own templates; their true donor is absent, so any hit on them is a false donor.
+
+Everything is drawn with a seeded ``random.Random``: the same arguments give the same pairs.
+``evaluate`` runs the real embedder and the real ``VectorIndex`` over them (all donors in one
+namespace, as a single tenant's server would hold them); the benchmark
+``benchmarks/discovery_quality.py`` and ``tests/test_discovery_quality.py`` share it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from semshare_vllm.testbed.text import (
+    lee_background,
+    lee_documents,
+    lee_similarity,
+    wiki_document,
+    wiki_extracts,
+)
+
+LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
+NAMESPACE = ""
+
+# Donor-side and target-side wrappers of one document ({doc} marks it). The two sides share no
+# template, so a cross-instruction pair differs in both its prefix and its suffix.
+DONOR_TEMPLATES = (
+    "Summarize the following article in three bullet points.\n\n{doc}",
+    "Read the document below and answer the question at the end.\n\nDocument:\n{doc}\n\n"
+    "Question: What are the main facts reported?",
+    "You are a careful analyst. Here is a report:\n\"\"\"\n{doc}\n\"\"\"\n"
+    "List every person and organisation it mentions.",
+    "Context:\n{doc}\n\nUsing only the context above, write a headline for it.",
+)
+TARGET_TEMPLATES = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{doc}\n\n"
+    "Translate the first paragraph into French.<|im_end|>\n<|im_start|>assistant\n",
+    "### Instruction:\nAnswer the user's question using the passage.\n\n### Passage:\n{doc}\n\n"
+    "### Question:\nWhen did these events take place?\n\n### Response:\n",
+    "User: I'm pasting some text, tell me whether its tone is neutral and why.\n\n{doc}\n\n"
+    "Assistant:",
+    "[INST] <<SYS>>\nAnswer briefly and quote the text.\n<</SYS>>\n\n{doc}\n\n"
+    "Which single sentence matters most here? [/INST]",
+)
+# RAG headers and closing questions around numbered passages.
+DONOR_HEADERS = (
+    "Answer the question using only the retrieved documents below. If they do not contain the "
+    "answer, say so.\n\n",
+    "You are a research assistant. The search engine returned these passages:\n\n",
+    "Relevant knowledge base entries:\n\n",
+    "Here are some encyclopedia excerpts that may help.\n\n",
+)
+TARGET_HEADERS = (
+    "<|im_start|>system\nGround every claim in the sources provided.<|im_end|>\n"
+    "<|im_start|>user\nSources:\n\n",
+    "Below are search results. Cite them by number.\n\n",
+    "Retrieved context (ranked by a different retriever):\n\n",
+    "Consider the following reference material before answering.\n\n",
+)
+DONOR_QUESTIONS = ("Question: Which of these topics is the oldest?",
+                   "Question: What do these passages have in common?")
+TARGET_QUESTIONS = ("Write a short quiz with one question per source.",
+                    "Which source would a beginner find most useful? Explain.")
+
+
+@dataclass(frozen=True)
+class Pair:
+    kind: str              # "cross-instruction", "reordered" or "edited"
+    donor: str             # the prompt already computed (its KV is cached)
+    target: str            # the new prompt that should find it
+    level: float | None    # fraction of sentences changed ("edited"), else None
+
+
+def wrap(template: str, doc: str) -> str:
+    return template.replace("{doc}", doc)  # not str.format: documents may hold braces
+
+
+# ---- sentences ---------------------------------------------------------------------------------
+# A sentence ends at . ! or ? (optionally closed by a quote or bracket) before whitespace and a
+# capital, digit or opening quote. Crude, but it never needs a model and real prose rarely fools
+# it in a way that matters here (a missed split merely makes one "sentence" longer).
+_BOUNDARY = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))\s+(?=[\"'(A-Z0-9])")
+
+
+def sentence_pieces(text: str) -> list[tuple[str, str]]:
+    """(sentence, the whitespace after it): joining them all gives ``text`` back."""
+    pieces, start = [], 0
+    for m in _BOUNDARY.finditer(text):
+        pieces.append((text[start:m.start()], m.group()))
+        start = m.end()
+    if start < len(text):
+        pieces.append((text[start:], ""))
+    return pieces
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s for s, _ in sentence_pieces(text) if s.strip()]
+
+
+def edit_document(text: str, level: float, op: str, rng: random.Random,
+                  filler: list[str]) -> str:
+    """``text`` with ``round(level * n)`` of its n sentences deleted (``op="delete"``) or
+    replaced by sentences drawn from ``filler`` (``op="replace"``). At least one sentence
+    changes and at least one survives, so every level is an edit and never a new document."""
+    pieces = sentence_pieces(text)
+    n = len(pieces)
+    changed = set(rng.sample(range(n), min(n - 1, max(1, round(level * n)))))
+    out = []
+    for i, (sentence, gap) in enumerate(pieces):
+        if i in changed:
+            if op == "delete":
+                continue
+            sentence = rng.choice(filler)
+        out.append(sentence + (gap or " "))
+    return "".join(out).strip()
+
+
+# ---- sources -----------------------------------------------------------------------------------
+class Sources:
+    """Hands out real texts without reuse, so no two pairs (and no negative) share source text:
+    a negative that quoted a donor would not be a negative, and two donors holding the same
+    document would make "the right donor" ambiguous."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        # The Lee background corpus repeats a few articles (and a few updated versions of one
+        # story); keep one per opening.
+        seen, unique = set(), []
+        for article in lee_background():
+            if article[:60] not in seen:
+                seen.add(article[:60])
+                unique.append(article)
+        self.rng.shuffle(unique)
+        self._lee = unique
+        self._wiki_used = bytearray(len(wiki_extracts()))
+        self._filler: dict[str, list[str]] = {}
+
+    def lee_article(self, ok: Callable[[str], bool] = lambda a: True) -> str:
+        for j, article in enumerate(self._lee):
+            if ok(article):
+                return self._lee.pop(j)
+        raise ValueError("the Lee background corpus ran out of suitable articles; ask for "
+                         "fewer pairs")
+
+    def _claim(self, span: list[int]) -> bool:
+        if any(self._wiki_used[i] for i in span):
+            return False
+        for i in span:
+            self._wiki_used[i] = 1
+        return True
+
+    def wiki_doc(self, min_chars: int = 1500, max_chars: int = 3000) -> str:
+        """``wiki_document`` from a random start, between the sizes, of unused extracts."""
+        extracts = wiki_extracts()
+        for _ in range(10_000):
+            start = self.rng.randrange(len(extracts))
+            span, size = [], 0
+            while size < min_chars:  # the extracts wiki_document(start, min_chars) will join
+                title, body = extracts[(start + len(span)) % len(extracts)]
+                span.append((start + len(span)) % len(extracts))
+                size += len(title) + 1 + len(body)
+            if size + 2 * (len(span) - 1) <= max_chars and self._claim(span):
+                return wiki_document(start, min_chars)
+        raise ValueError("no unused Wikipedia span left")
+
+    def wiki_bundle(self, k: int, window: int = 12) -> list[tuple[str, str]]:
+        """``k`` unused extracts from ``window`` neighbouring ones (the package orders extracts
+        by subject, so neighbours are related, as a retriever's hits would be)."""
+        extracts = wiki_extracts()
+        for _ in range(10_000):
+            start = self.rng.randrange(len(extracts) - window)
+            free = [i for i in range(start, start + window) if not self._wiki_used[i]]
+            if len(free) >= k:
+                chosen = self.rng.sample(free, k)
+                self._claim(chosen)
+                return [extracts[i] for i in chosen]
+        raise ValueError("no unused Wikipedia extracts left")
+
+    def filler(self, corpus: str) -> list[str]:
+        """Sentences of documents no pair uses, claimed once: what edits put in."""
+        if corpus not in self._filler:
+            if corpus == "lee":
+                docs = [self.lee_article() for _ in range(40)]
+            else:
+                docs = [body for _, body in self.wiki_bundle(60, window=400)]
+            self._filler[corpus] = [s for d in docs for s in split_sentences(d)
+                                    if len(s) > 40]
+        return self._filler[corpus]
+
+    def document(self, i: int, ok: Callable[[str], bool] = lambda a: True) -> tuple[str, str]:
+        """(corpus, document): Lee background articles and Wikipedia spans alternately."""
+        if i % 2 == 0:
+            return "lee", self.lee_article(ok)
+        while not ok(doc := self.wiki_doc()):
+            pass  # the span stays claimed: nothing else may use it half
+        return "wiki", doc
+
+
+def passages(extracts: list[tuple[str, str]]) -> str:
+    return "\n\n".join(f"[{i}] {title}\n{body}" for i, (title, body) in
+                       enumerate(extracts, 1))
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+def cross_instruction_pairs(n: int, sources: Sources) -> list[Pair]:
+    rng = sources.rng
+    pairs = []
+    for i in range(n):
+        _, doc = sources.document(i, ok=lambda a: len(a) >= 1500)
+        pairs.append(Pair("cross-instruction", wrap(rng.choice(DONOR_TEMPLATES), doc),
+                          wrap(rng.choice(TARGET_TEMPLATES), doc), None))
+    return pairs
+
+
+def reordered_pairs(n: int, sources: Sources) -> list[Pair]:
+    rng = sources.rng
+    pairs = []
+    for _ in range(n):
+        bundle = sources.wiki_bundle(rng.randint(4, 6))
+        permuted = bundle[:]
+        while permuted == bundle:
+            rng.shuffle(permuted)
+        donor = rng.choice(DONOR_HEADERS) + passages(bundle) + "\n\n" + rng.choice(DONOR_QUESTIONS)
+        target = (rng.choice(TARGET_HEADERS) + passages(permuted) + "\n\n"
+                  + rng.choice(TARGET_QUESTIONS))
+        pairs.append(Pair("reordered", donor, target, None))
+    return pairs
+
+
+def edited_pairs(n: int, sources: Sources, levels=LEVELS) -> list[Pair]:
+    """``n`` donors, each edited once per level; even donors lose sentences, odd donors get
+    sentences of other documents instead. Donor and target share their wrapper, so only the
+    edit separates them."""
+    rng = sources.rng
+    pairs = []
+    for i in range(n):
+        corpus, doc = sources.document(i, ok=lambda a: len(split_sentences(a)) >= 10)
+        template = rng.choice(DONOR_TEMPLATES)
+        op = "delete" if i % 2 == 0 else "replace"
+        for level in levels:
+            edited = edit_document(doc, level, op, rng, sources.filler(corpus))
+            pairs.append(Pair("edited", wrap(template, doc), wrap(template, edited), level))
+    return pairs
+
+
+def negative_targets(n: int, sources: Sources) -> list[str]:
+    """Unrelated documents shaped like the donors (the same three kinds, in the donors' own
+    templates and headers): shared boilerplate is exactly what could lure a false donor."""
+    rng = sources.rng
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(wrap(rng.choice(DONOR_TEMPLATES), sources.lee_article(
+                ok=lambda a: len(a) >= 600)))
+        elif i % 3 == 1:
+            out.append(wrap(rng.choice(DONOR_TEMPLATES), sources.wiki_doc()))
+        else:
+            out.append(rng.choice(DONOR_HEADERS) + passages(sources.wiki_bundle(
+                rng.randint(4, 6))) + "\n\n" + rng.choice(DONOR_QUESTIONS))
+    return out
+
+
+def build(n: int, levels=LEVELS, negatives: int | None = None,
+          seed: int = 0) -> tuple[list[Pair], list[str]]:
+    """All scenarios from one pool of sources: ``n`` pairs each (``n`` donors x levels for
+    "edited") and ``negatives`` negative targets (3n by default)."""
+    sources = Sources(seed)
+    pairs = (cross_instruction_pairs(n, sources) + reordered_pairs(n, sources)
+             + edited_pairs(n, sources, levels))
+    return pairs, negative_targets(3 * n if negatives is None else negatives, sources)
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+def smollm2_tokenizer():
+    """The served test model's tokenizer: the service fingerprints and detokenises with it."""
+    from transformers import AutoTokenizer
+
+    from semshare_vllm.testbed.models import smollm2
+
+    return AutoTokenizer.from_pretrained(str(smollm2()), local_files_only=True)
+
+
+def lee_spearman(embedder) -> float:
+    """Rank correlation of the embedder's cosine with the Lee corpus' human ratings over the
+    1,225 distinct document pairs: does the vector's notion of "similar" match people's?"""
+    from scipy.stats import spearmanr
+
+    vectors = np.stack([e.vector for e in embedder.embed_many(lee_documents())])
+    human = np.asarray(lee_similarity())
+    upper = np.triu_indices(len(vectors), k=1)
+    rho, _ = spearmanr((vectors @ vectors.T)[upper], human[upper])
+    return float(rho)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    group: str                 # "cross-instruction", "reordered", "edited@0.3" or "negative"
+    true_key: int | None       # the target's own donor (None for a negative)
+    top_key: int               # the index's best donor
+    top_score: float           # its cosine
+    true_score: float | None   # cosine to the own donor
+    near_key: int | None       # best SimHash near-duplicate, if any
+
+
+def group_of(pair: Pair) -> str:
+    return pair.kind if pair.level is None else f"{pair.kind}@{pair.level:g}"
+
+
+def recall_at_1(outcomes: list[Outcome], threshold: float) -> float:
+    """Targets whose top-1 donor is their own and clears the threshold (a hit to serve)."""
+    return _mean(o.top_key == o.true_key and o.top_score >= threshold for o in outcomes)
+
+
+def false_donor_rate(outcomes: list[Outcome], threshold: float) -> float:
+    """Negatives whose top-1 donor clears the threshold (a wrong donor would be offered)."""
+    return _mean(o.top_score >= threshold for o in outcomes)
+
+
+def _mean(flags) -> float:
+    flags = list(flags)
+    return sum(flags) / len(flags) if flags else float("nan")
+
+
+def evaluate(embedder, pairs: list[Pair], negatives: list[str], threshold: float,
+             tokenizer=None) -> dict:
+    """Index every distinct donor in one namespace, search each target and each negative, and
+    summarise per group at ``threshold``.
+
+    With ``tokenizer`` (a Hugging Face tokenizer of the served model), texts go through what the
+    discovery service does to a prompt: tokenise, SimHash the ids, detokenise without special
+    tokens, embed; the SimHash near-duplicate scan is reported too. Without it, the raw texts are
+    embedded and the scan is skipped."""
+    from semshare_vllm.discovery.service import NEAR_DUPLICATE_BITS
+    from semshare_vllm.discovery.simhash import simhash
+    from semshare_vllm.discovery.vector_index import VectorIndex
+
+    donors = list(dict.fromkeys(p.donor for p in pairs))
+    key_of = {d: k for k, d in enumerate(donors)}
+    texts = donors + [p.target for p in pairs] + list(negatives)
+    if tokenizer is not None:
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        fingerprints = [simhash(i) for i in ids]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    else:
+        fingerprints = [0] * len(texts)
+    t0 = time.perf_counter()
+    vectors = [e.vector for e in embedder.embed_many(texts)]
+    embed_s = time.perf_counter() - t0
+
+    index = VectorIndex(dim=len(vectors[0]), kind="exact")
+    for k in range(len(donors)):
+        index.add(NAMESPACE, k, vectors[k], fingerprints[k])
+
+    queries = ([(group_of(p), key_of[p.donor]) for p in pairs]
+               + [("negative", None)] * len(negatives))  # in the order of texts after donors
+    outcomes = []
+    for j, (group, true_key) in enumerate(queries, start=len(donors)):
+        top = index.search(NAMESPACE, vectors[j], k=1)[0]
+        near = (index.near_duplicates(NAMESPACE, fingerprints[j], NEAR_DUPLICATE_BITS)
+                if tokenizer is not None else [])
+        true_score = None if true_key is None else float(vectors[j] @ vectors[true_key])
+        outcomes.append(Outcome(group, true_key, top.key, top.score, true_score,
+                                near[0].key if near else None))
+
+    groups = {}
+    for name in dict.fromkeys(o.group for o in outcomes if o.group != "negative"):
+        mine = [o for o in outcomes if o.group == name]
+        cos = [o.true_score for o in mine]
+        near = [o for o in mine if o.near_key is not None]
+        groups[name] = {
+            "n": len(mine), "recall": recall_at_1(mine, threshold),
+            "mean_cos": statistics.fmean(cos), "median_cos": statistics.median(cos),
+            "min_cos": min(cos), "simhash_matches": len(near),
+            "simhash_correct": sum(o.near_key == o.true_key for o in near)}
+    neg = [o for o in outcomes if o.group == "negative"]
+    top = np.asarray([o.top_score for o in neg])
+    return {
+        "threshold": threshold, "donors": len(donors), "texts": len(texts),
+        "embed_s": embed_s, "groups": groups, "outcomes": outcomes,
+        "negatives": {
+            "n": len(neg), "false_donor_rate": false_donor_rate(neg, threshold),
+            "median_top": float(np.median(top)) if len(top) else float("nan"),
+            "p95_top": float(np.percentile(top, 95)) if len(top) else float("nan"),
+            "max_top": float(top.max()) if len(top) else float("nan"),
+            "simhash_matches": sum(o.near_key is not None for o in neg)},
+    }
