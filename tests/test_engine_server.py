@@ -87,6 +87,41 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         assert "skipping persisted donor" in srv.log_text()
 
 
+def wait_for_stat(srv, name, at_least, timeout_s=120):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if srv.connector_stats().get(name, 0) >= at_least:
+            return
+        srv.complete("ping " * 3, max_tokens=1)  # keep the engine stepping (too short to keep)
+        time.sleep(0.5)
+    raise AssertionError(f"{name} never reached {at_least}: {srv.connector_stats()}")
+
+
+def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, monkeypatch):
+    """The same article behind another instruction (no common prefix): the donor is found by
+    the embedder, off the scheduler thread, in the request's own namespace only."""
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "512MiB",
+                                                    "lookup_deadline_ms": 5000})
+    article = DOCS["kept"]
+    with VllmServer(model, cfg, ARGS, tmp_path / "discovery.log") as srv:
+        srv.complete(article + Q1)                                   # becomes the donor
+        wait_for_stat(srv, "donors_embedded", 1)
+        reworded = srv.complete("Read the article below, then do as asked.\n\n" + article + Q2)
+        assert reworded.cached_tokens == 0                           # nothing exact to reuse
+        wait_for_stat(srv, "semantic_found", 1)
+        srv.complete("Read the article below, then do as asked.\n\n" + article + Q2,
+                     cache_salt="another-tenant")                    # no donors there: no search
+        srv.complete(wiki_document(5000, 1500) + Q2)                 # unrelated: searched, none
+        wait_for_stat(srv, "semantic_misses", 1)
+        stats = srv.connector_stats()
+    assert stats["semantic_found"] == 1 and stats["semantic_misses"] == 1
+    assert stats["semantic_lookups"] == 2
+    assert "lookup_timeouts" not in stats and "discovery_faults" not in stats
+
+
 def test_bad_config_stops_startup_naming_the_key(model, tmp_path):
     """No module path: the name resolves through our vllm.general_plugins entry point; the typo'd
     key then stops start-up with one error that names it."""

@@ -68,6 +68,7 @@ class SemanticMatch:
 class _PendingLookup:
     future: Future
     started: float
+    asked: float | None = None   # when vLLM first wanted to schedule the request
 
 
 class SemShareScheduler:
@@ -129,9 +130,14 @@ class SemShareScheduler:
         pending = self._lookups.get(request.request_id)
         if pending is None:
             return False
-        waited_ms = (time.monotonic() - pending.started) * 1e3
+        now = time.monotonic()
+        if pending.asked is None:
+            pending.asked = now
+        # The deadline runs from arrival (the search started then); what is counted as waiting
+        # is only the time the request was held back, not its time in vLLM's queue.
+        waited_ms = (now - pending.asked) * 1e3
         if not pending.future.done():
-            if not nothing_left and waited_ms < self.config.lookup_deadline_ms:
+            if not nothing_left and (now - pending.started) * 1e3 < self.config.lookup_deadline_ms:
                 return True
             pending.future.cancel()
             self.stats.add("lookup_timeouts" if not nothing_left else "lookups_skipped")

@@ -28,7 +28,7 @@ COUNTERS: dict[str, str] = {
     "semantic_misses": "searches that finished and found none",
     "lookup_timeouts": "searches not finished by lookup_deadline_ms (request went on without)",
     "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
-    "lookup_wait_ms": "milliseconds requests waited for their donor search",
+    "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",
     "donors_embedded": "donors made searchable (embedded off the scheduler thread)",
     "embed_ms": "milliseconds the discovery thread spent embedding (lookups and donors)",
     "discovery_faults": "discovery jobs that failed (the request went on without)",

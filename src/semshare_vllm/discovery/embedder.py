@@ -196,9 +196,11 @@ class OnnxEmbedder(Embedder):
                                "onnxruntime-gpu); the ONNX embedder runs on CPU")
                 self.device = "cpu"
         opts = ort.SessionOptions()
-        if self.threads:
-            opts.intra_op_num_threads = self.threads
+        # Inside a serving engine: on CPU one thread that sleeps when idle, so the embedder
+        # takes one core at most and never spins on the cores vLLM computes on.
+        opts.intra_op_num_threads = self.threads or (1 if self.device == "cpu" else 0)
         opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), opts, providers=providers)
         self.dim = self.session.get_outputs()[0].shape[-1]
 

@@ -62,6 +62,11 @@ class VllmServer:
                    VLLM_HOST_IP="127.0.0.1")
         # Unset, vLLM-CPU gives its KV cache ~85% of RAM; leave room for everything else.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        # vLLM-CPU reserves one more core for the engine whenever a KV connector is configured
+        # (for NIXL's P/D case). On 2 cores that leaves none for the worker, and it falls back
+        # to OpenMP threads on both; servers with and without a connector would then compute
+        # with different thread counts. One reserved core for all keeps comparisons fair.
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -132,6 +137,22 @@ class VllmServer:
         return Completion("".join(text), ttft if ttft is not None else float("nan"),
                           time.perf_counter() - t0, details.get("cached_tokens"),
                           usage.get("prompt_tokens"))
+
+    def connector_stats(self) -> dict[str, float]:
+        """The connector's counters, summed over every "KV Transfer metrics" line of the log
+        (vLLM prints one per stats interval; ``VLLM_LOG_STATS_INTERVAL`` sets it)."""
+        totals: dict[str, float] = {}
+        for line in self.log_text().splitlines():
+            _, sep, rest = line.partition("KV Transfer metrics: ")
+            for item in rest.split(", ") if sep else ():
+                name, _, value = item.partition("=")
+                if name.endswith("_rate"):
+                    continue
+                try:
+                    totals[name] = totals.get(name, 0) + float(value)
+                except ValueError:
+                    pass
+        return totals
 
     def metrics(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
