@@ -33,8 +33,13 @@ class BagOfTokens:
         self.gate.set()
         self.calls = 0
 
-    def embed(self, text):
+    def embed(self, text, between_batches=None):
         self.gate.wait(30)
+        if len(text.split()) > 1000:   # a long donor: ten batches of 50 ms
+            for _ in range(10):
+                time.sleep(0.05)
+                if between_batches is not None:
+                    between_batches()
         self.calls += 1
         v = np.bincount([int(t) % VOCAB for t in text.split()], minlength=VOCAB).astype(np.float32)
         v /= max(np.linalg.norm(v), 1e-9)
@@ -120,6 +125,12 @@ def test_no_wait_when_the_namespace_is_empty_or_the_prefix_covers_it():
     same = request("a", DOC[:161], salt="a")   # the exact prefix already covers what can be
     s.on_new_request(same)
     assert s.get_num_new_matched_tokens(same, 0) == (160, False)
+    assert s.stats.totals["semantic_lookups"] == 0     # no search started for it
+    longer = request("a2", DOC + [5] * 40, salt="a")    # it covers only part of this one
+    s.on_new_request(longer)
+    assert s.get_num_new_matched_tokens(longer, 0) == (None, False)
+    # vLLM's own prefix cache holds all the rest: stop waiting, drop the search
+    assert s.get_num_new_matched_tokens(longer, 224) == (0, False)
     assert s.stats.totals["lookups_skipped"] == 1
     emb.gate.set()
 
@@ -201,3 +212,19 @@ def test_an_embedder_that_cannot_load_turns_discovery_off():
     target = request("t", DOC)
     s.on_new_request(target)
     assert s.get_num_new_matched_tokens(target, 0) == (192, False)  # exact prefix still works
+
+
+def test_a_lookup_does_not_wait_behind_a_long_donor():
+    s, _ = scheduler()
+    finish(s, DOC)
+    settle(s)
+    finish(s, list(range(1000, 3000)))           # a long donor: 0.5 s to embed
+    time.sleep(0.02)                             # its embedding has started
+    target = request("t", [7] * 5 + DOC)
+    s.on_new_request(target)
+    t0 = time.monotonic()
+    ask(s, target)
+    assert time.monotonic() - t0 < 0.3           # served between the long donor's batches
+    assert "t" in s.found
+    settle(s)
+    assert s.stats.totals["donors_embedded"] == 2

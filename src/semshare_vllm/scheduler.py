@@ -121,6 +121,9 @@ class SemShareScheduler:
         if d.index.size(namespace) == 0:
             return  # nothing to find: never make a request wait for an empty namespace
         tokens = list(request.all_token_ids[:request.num_prompt_tokens])
+        exact = self.index.longest_prefix(namespace, tokens)
+        if exact is not None and exact.num_tokens >= self._claim_limit(request):
+            return  # an exact donor already covers all we could claim: no search to pay for
         self._lookups[request.request_id] = _PendingLookup(d.lookup(namespace, tokens),
                                                            time.monotonic())
         self.stats.add("semantic_lookups")
@@ -222,19 +225,17 @@ class SemShareScheduler:
             self._fault("lookup")
             return 0, False
 
-    def _match(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _match(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matches.pop(request.request_id, None)
         if self.geometry.unsupported:
             return 0, False
-        bs = self.geometry.block_size
         if request.request_id not in self._looked_up:  # vLLM re-asks while it cannot schedule
             self._looked_up.add(request.request_id)
             self.stats.add("lookups")
             self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
         self._absorb_embeddings()
         match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
-        # vLLM must compute at least one token itself, and our claims end on a block boundary.
-        limit = ((request.num_tokens - 1) // bs) * bs
+        limit = self._claim_limit(request)
         end = min(match.num_tokens, limit) if match is not None else 0
         if self._await_lookup(request, nothing_left=max(end, num_computed_tokens) >= limit):
             return None, False
@@ -243,6 +244,11 @@ class SemShareScheduler:
             return 0, False
         self._matches[request.request_id] = PrefixMatch(match.key, end)
         return claim, False
+
+    def _claim_limit(self, request) -> int:
+        """vLLM must compute at least one token itself, and our claims end on a block boundary."""
+        bs = self.geometry.block_size
+        return ((request.num_tokens - 1) // bs) * bs
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
