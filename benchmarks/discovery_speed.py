@@ -12,6 +12,9 @@ Prints medians over repeated runs.
 
     .venv/bin/python benchmarks/discovery_speed.py [--runners onnx,sentence-transformers]
         [--donors 10000,1000000] [--repeats 5]
+
+ONNX Runtime runs with one thread on CPU inside the server (``onnx``); ``onnx@2`` shows two.
+sentence-transformers uses torch's thread count (all cores here; vLLM's engine sets its own).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ def embedding_latency(runners: list[str], lengths: list[int], repeats: int, devi
     print("|---|" + "---|" * len(lengths))
     detok = {n: median_ms(lambda p=p: tok.decode(p, skip_special_tokens=True), repeats)
              for n, p in prompts.items()}
-    for runner in runners:
-        emb = make_embedder(runner, device=device)
+    for runner in runners:  # "onnx" (the server's setting: 1 thread on CPU) or "onnx@2"
+        kind, _, threads = runner.partition("@")
+        emb = make_embedder(kind, device=device, threads=int(threads or 0))
         cells = []
         for n, p in prompts.items():
             text = tok.decode(p, skip_special_tokens=True)
@@ -110,7 +114,8 @@ def search_latency(sizes: list[int], repeats: int, queries: int = 50) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runners", default="onnx,sentence-transformers")
+    parser.add_argument("--runners", default="onnx,onnx@2,sentence-transformers",
+                        help="runner[@threads]; sentence-transformers uses torch's threads")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--donors", default="10000,1000000")
     parser.add_argument("--repeats", type=int, default=5)

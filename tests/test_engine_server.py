@@ -100,8 +100,9 @@ def wait_for_stat(srv, name, at_least, timeout_s=120):
 
 
 def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, monkeypatch):
-    """The same article behind another instruction (no common prefix): the donor is found by
-    the embedder, off the scheduler thread, in the request's own namespace only."""
+    """The same article behind another instruction, sent as a chat turn (no common prefix): the
+    donor is found by the embedder, off the scheduler thread, in the request's own namespace
+    only; the request itself is computed as usual (nothing exact to reuse)."""
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
     cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "512MiB",
                                                     "lookup_deadline_ms": 5000})
@@ -109,11 +110,11 @@ def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, m
     with VllmServer(model, cfg, ARGS, tmp_path / "discovery.log") as srv:
         srv.complete(article + Q1)                                   # becomes the donor
         wait_for_stat(srv, "donors_embedded", 1)
-        reworded = srv.complete("Read the article below, then do as asked.\n\n" + article + Q2)
-        assert reworded.cached_tokens == 0                           # nothing exact to reuse
+        # Through the chat API: the template wraps it, the embedder reads the detokenised ids.
+        srv.chat("Read the article below, then do as asked.\n\n" + article + Q2)
         wait_for_stat(srv, "semantic_found", 1)
-        srv.complete("Read the article below, then do as asked.\n\n" + article + Q2,
-                     cache_salt="another-tenant")                    # no donors there: no search
+        srv.chat("Read the article below, then do as asked.\n\n" + article + Q2,
+                 cache_salt="another-tenant")                        # no donors there: no search
         srv.complete(wiki_document(5000, 1500) + Q2)                 # unrelated: searched, none
         wait_for_stat(srv, "semantic_misses", 1)
         stats = srv.connector_stats()

@@ -136,23 +136,26 @@ class SemShareScheduler:
         now = time.monotonic()
         if pending.asked is None:
             pending.asked = now
-        # The deadline runs from arrival (the search started then); what is counted as waiting
-        # is only the time the request was held back, not its time in vLLM's queue.
-        waited_ms = (now - pending.asked) * 1e3
+        # The deadline runs from arrival (the search started then).
+        deadline = pending.started + self.config.lookup_deadline_ms / 1e3
         if not pending.future.done():
-            if not nothing_left and (now - pending.started) * 1e3 < self.config.lookup_deadline_ms:
+            if not nothing_left and now < deadline:
                 return True
             pending.future.cancel()
             self.stats.add("lookup_timeouts" if not nothing_left else "lookups_skipped")
+            answered = min(now, deadline)
         else:
-            self._take_lookup(request, pending.future)
+            answered = self._take_lookup(request, pending.future) or now
         del self._lookups[request.request_id]
-        self.stats.add("lookup_wait_ms", waited_ms)
+        # Held back: from vLLM's first wish to schedule it until the answer (or the deadline),
+        # not the time it then spent in vLLM's queue until the next ask.
+        self.stats.add("lookup_wait_ms", max(0.0, answered - pending.asked) * 1e3)
         return False
 
-    def _take_lookup(self, request, future: Future) -> None:
+    def _take_lookup(self, request, future: Future) -> float | None:
+        """Record what the search found; returns when its answer was ready."""
         if future.cancelled() or future.exception() is not None:
-            return  # counted by the service as a discovery fault
+            return None  # counted by the service as a discovery fault
         lookup: Lookup = future.result()
         self.stats.add("embed_ms", lookup.embed_ms)
         namespace = namespace_of(request)
@@ -166,6 +169,7 @@ class SemShareScheduler:
             self.stats.add("semantic_found")
         else:
             self.stats.add("semantic_misses")
+        return lookup.finished
 
     def _absorb_embeddings(self) -> None:
         """Attach donors' embeddings computed on the discovery thread (the catalog is only ever

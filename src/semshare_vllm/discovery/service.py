@@ -45,6 +45,7 @@ class Lookup:
     fingerprint: int
     embed_ms: float = 0.0
     search_ms: float = 0.0
+    finished: float = field(default_factory=time.monotonic)   # when the answer was ready
 
 
 @dataclass

@@ -138,6 +138,17 @@ class VllmServer:
                           time.perf_counter() - t0, details.get("cached_tokens"),
                           usage.get("prompt_tokens"))
 
+    def chat(self, content: str, max_tokens: int = 8, cache_salt: str | None = None,
+             timeout_s: float = 600) -> str:
+        """One greedy user turn through /v1/chat/completions (the model's chat template)."""
+        body = {"model": self.served_name, "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens, "temperature": 0.0}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        resp = requests.post(self.url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.json()["choices"][0]["message"]["content"]
+
     def connector_stats(self) -> dict[str, float]:
         """The connector's counters, summed over every "KV Transfer metrics" line of the log
         (vLLM prints one per stats interval; ``VLLM_LOG_STATS_INTERVAL`` sets it)."""
