@@ -10,7 +10,9 @@ token ids), ``max_tokens`` 32 with ``ignore_eos``. Two servers, started one afte
 run with the same flags (those of exact_prefix_ttft.py, plus --max-num-seqs >= N):
 
 * plain: no connector;
-* semshare: SemShareConnector (host_store_bytes 1GiB).
+* semshare: SemShareConnector (host_store_bytes 1GiB);
+* capture-only (``--servers plain,semshare,capture-only``): the same with ``embedder: none``, to
+  tell what discovery costs from what capturing donors costs.
 
 Each server gets one warm-up burst (not measured), then a pause until SemShare's discovery
 thread has embedded the warm-up's donors (see ``settle``; the plain server goes through the same
@@ -62,6 +64,10 @@ from semshare_vllm.testbed.text import wiki_extracts
 # exact_prefix_ttft.py reads extracts from index 1000 on; this one starts well past them.
 FIRST_EXTRACT = 5000
 SEMSHARE_1G = {**SEMSHARE, "kv_connector_extra_config": {"host_store_bytes": "1GiB"}}
+# The same connector with discovery off: what capture alone costs (to tell it from discovery's).
+CAPTURE_ONLY = {**SEMSHARE, "kv_connector_extra_config": {"host_store_bytes": "1GiB",
+                                                          "embedder": "none"}}
+SERVERS = {"plain": None, "semshare": SEMSHARE_1G, "capture-only": CAPTURE_ONLY}
 DISCOVERY_COUNTERS = ("semantic_lookups", "donors_embedded", "semantic_found", "semantic_misses",
                       "lookup_timeouts", "lookups_skipped", "lookup_wait_ms", "embed_ms",
                       "discovery_faults", "fallbacks")
@@ -208,6 +214,9 @@ def main() -> None:
     parser.add_argument("--settle-each", action="store_true",
                         help="let discovery catch up before every measured burst too (isolates "
                         "the lookups' cost from the embedding of the previous burst's donors)")
+    parser.add_argument("--servers", default="plain,semshare",
+                        help="comma-separated, run in this order: plain, semshare, capture-only "
+                        "(the connector with embedder none); plain and semshare are required")
     parser.add_argument("--namespaces", choices=("fresh", "shared"), default="fresh",
                         help="fresh: a new cache_salt per burst (requests without donors); "
                         "shared: one namespace, so requests search earlier bursts' donors")
@@ -232,7 +241,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="semshare-burst-"))  # kept: server logs live here
     print(f"server logs: {workdir}", file=sys.stderr)
     results = {}
-    for name, kv in [("plain", None), ("semshare", SEMSHARE_1G)]:
+    for name in args.servers.split(","):
+        kv = SERVERS[name]
         print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
         results[name] = run_server(name, model, kv, bursts, server_args, args, workdir)
 
@@ -261,6 +271,11 @@ def main() -> None:
               f"{sum(b['cached_missing'] for b in bs):8d} {sum(b['empty_texts'] for b in bs):5d}")
     ratio = medians["semshare"]["tok_per_s"] / medians["plain"]["tok_per_s"]
     ttft_ratio = medians["semshare"]["mean_ttft_s"] / medians["plain"]["mean_ttft_s"]
+    if "capture-only" in medians:
+        print(f"\nthroughput capture-only/plain: "
+              f"{medians['capture-only']['tok_per_s'] / medians['plain']['tok_per_s']:.3f}; "
+              f"semshare/capture-only (discovery's own cost): "
+              f"{medians['semshare']['tok_per_s'] / medians['capture-only']['tok_per_s']:.3f}")
     expected = args.requests * args.max_tokens
     short = [(n, i) for n, r in results.items() for i, b in enumerate(r["bursts"], 1)
              if b["output_tokens"] != expected]

@@ -51,7 +51,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False)  # identity: records hold numpy arrays
 class DonorRecord:
     key: DonorKey
     token_ids: list[int]
@@ -59,9 +59,9 @@ class DonorRecord:
     hashes: list[bytes] = field(repr=False)
     num_prompt_tokens: int | None = None    # the prompt's share of token_ids (None: all)
     hits: int = 0
-    created: float = field(default_factory=time.monotonic)
-    last_used: float = field(default_factory=time.monotonic)
-    serial: int = 0                          # set by the catalog; tells re-adds apart
+    created: float = 0.0                     # set by the catalog (its clock), like these two:
+    last_used: float = 0.0
+    serial: int = 0                          # tells a re-added donor from its earlier self
     # discovery: set once the donor is embedded (off the scheduler thread)
     embedding: "DocumentEmbedding | None" = field(default=None, repr=False)
     fingerprint: int | None = None

@@ -390,5 +390,6 @@ class SemShareScheduler:
                 continue
             record.hits, record.deviation_reports = entry.hits, entry.deviation_reports
             record.deviation, record.demoted = entry.deviation, entry.demoted
+            record.last_used = self.index.clock() - entry.idle_s
             self.index.set_embedding(record.key, record.serial, entry.embedding,
                                      entry.fingerprint)

@@ -75,16 +75,14 @@ class Embedder:
     """Tokenise, window, run the model (``_encode``, per runner), pool."""
 
     def __init__(self, model_dir: str | Path, *, window: int = 256, overlap: int = 32,
-                 batch_size: int = 0, device: str = "auto", threads: int = 0):
+                 batch_size: int = 16, device: str = "auto", threads: int = 0):
         from tokenizers import Tokenizer
 
         self.model_dir = Path(model_dir)
         self.window = window
         self.overlap = overlap
+        self.batch_size = batch_size
         self.device = resolve_device(device)
-        # Windows per forward pass. Small on CPU: between batches the discovery thread lets a
-        # waiting lookup run (see ``embed_many``), so a long donor delays it ~one batch.
-        self.batch_size = batch_size or (4 if self.device == "cpu" else 32)
         self.threads = threads
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.tokenizer.no_truncation()
@@ -99,12 +97,11 @@ class Embedder:
     def name(self) -> str:
         return f"{type(self).__name__}({self.device})"
 
-    def embed(self, text: str, between_batches=None) -> DocumentEmbedding:
-        return self.embed_many([text], between_batches)[0]
+    def embed(self, text: str) -> DocumentEmbedding:
+        return self.embed_many([text])[0]
 
-    def embed_many(self, texts: list[str], between_batches=None) -> list[DocumentEmbedding]:
-        """Embed several documents; their windows share batches. ``between_batches()``, when
-        given, is called after each batch (the discovery thread serves urgent work there)."""
+    def embed_many(self, texts: list[str]) -> list[DocumentEmbedding]:
+        """Embed several documents; their windows share batches."""
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
         windows: list[np.ndarray] = []
         owners: list[int] = []
@@ -118,8 +115,6 @@ class Embedder:
             chunk = order[start:start + self.batch_size]
             ids, mask = self._pad([windows[i] for i in chunk])
             vectors[chunk] = self._encode(ids, mask)
-            if between_batches is not None:
-                between_batches()
         owners_arr = np.asarray(owners, dtype=np.int64)
         out = []
         for doc, enc in enumerate(encodings):

@@ -1,24 +1,25 @@
-"""Donor discovery on one background thread, so vLLM's scheduler never waits on a model.
+"""Donor discovery on background threads, so vLLM's scheduler never waits on a model.
 
 The scheduler half hands work over and picks results up; it never blocks here:
 
 * ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates
-  (no embedding needed), else detokenise -> embed -> cosine top-k in the namespace.
+  (no embedding needed), else detokenise -> embed -> cosine top-k in the namespace. Lookups run
+  on their own thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
   until the scheduler thread attaches it to the catalog (which owns every mutation).
-* ``write_snapshot(entries)``: persist the embeddings (``snapshot.py``).
+* ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
-Lookups jump the queue ahead of registrations, and a long registration lets waiting lookups run
-between its batches of windows. The embedder is loaded on the thread as soon as it
-starts; if it cannot load, discovery stays off (logged once) and lookups answer "nothing found".
+Registrations and snapshots run on a second thread at a lower CPU priority (nice +10): nothing
+waits for them, so on a busy CPU they yield to vLLM's own threads. The embedder is loaded as
+soon as the service starts; if it cannot load, discovery stays off (logged once) and lookups
+answer "nothing found".
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,8 +35,9 @@ logger = logging.getLogger("vllm.semshare.discovery")
 
 # SimHash bits within which two prompts count as near-duplicates (random pairs sit near 32).
 NEAR_DUPLICATE_BITS = 6
-
-_LOOKUP, _REGISTER, _OTHER = 0, 1, 2   # queue priorities: lower runs first
+# Niceness added to the background (donor embedding) thread: under CPU contention it gets about
+# a tenth of the share of a normal thread, so vLLM's scheduler and API server go first.
+BACKGROUND_NICE = 10
 
 
 @dataclass
@@ -57,11 +59,40 @@ class Embedded:
     embed_ms: float
 
 
-@dataclass(order=True)
-class _Job:
-    priority: int
-    seq: int
-    run: Callable[[], None] = field(compare=False)
+class _JobThread:
+    """One thread running the callables put to it, in order."""
+
+    def __init__(self, name: str, nice: int, on_fault: Callable[[str, Exception], None]):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_fault = on_fault
+        self._thread = threading.Thread(target=self._loop, args=(nice,), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drained(self) -> threading.Event:
+        """An event set once every job put so far has run."""
+        done = threading.Event()
+        self.put(done.set)
+        return done
+
+    def close(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self, nice: int) -> None:
+        if nice:
+            try:  # Linux: PRIO_PROCESS with a thread id sets that thread's niceness only
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+            except (AttributeError, OSError):
+                pass
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # a job's own handler failed; keep the thread alive
+                self._on_fault("job", exc)
 
 
 class DiscoveryService:
@@ -74,26 +105,24 @@ class DiscoveryService:
         self._make_embedder = make_embedder
         self._detokenize = detokenize
         self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
         self.failed: str | None = None         # why discovery is off, once it is
-        self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
-        self._seq = itertools.count()
         self._embedded: collections.deque[Embedded] = collections.deque()
         self._faults = 0
         self._faults_logged: set[str] = set()
         self._faults_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="semshare-discovery",
-                                        daemon=True)
-        self._thread.start()
-        self._put(_LOOKUP, self._ready_embedder)  # load the model now, not at the first request
+        self._urgent = _JobThread("semshare-lookup", 0, self._fault)
+        self._background = _JobThread("semshare-embed", BACKGROUND_NICE, self._fault)
+        self._urgent.put(self._ready_embedder)  # load the model now, not at the first request
 
     # ---- called from the scheduler thread -----------------------------------------------------
     def lookup(self, namespace: str, token_ids: list[int]) -> Future:
         future: Future = Future()
-        self._put(_LOOKUP, lambda: self._lookup(future, namespace, token_ids))
+        self._urgent.put(lambda: self._lookup(future, namespace, token_ids))
         return future
 
     def register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:
-        self._put(_REGISTER, lambda: self._register(key, serial, token_ids))
+        self._background.put(lambda: self._register(key, serial, token_ids))
 
     def write_snapshot(self, write: Callable[[], None]) -> Future:
         future: Future = Future()
@@ -105,7 +134,7 @@ class DiscoveryService:
             except Exception as exc:
                 self._fault("snapshot", exc)
                 future.set_exception(exc)
-        self._put(_OTHER, run)
+        self._background.put(run)
         return future
 
     def take_embedded(self) -> list[Embedded]:
@@ -120,58 +149,37 @@ class DiscoveryService:
         return n
 
     def close(self, timeout_s: float = 30) -> None:
-        self._put(-1, None)
-        self._thread.join(timeout_s)
+        for thread in (self._urgent, self._background):
+            thread.close(timeout_s)
 
     def wait_idle(self, timeout_s: float = 60) -> bool:
         """Block until every job queued so far has run (tests, shutdown)."""
-        done = threading.Event()
-        self._put(_OTHER + 1, done.set)
-        return done.wait(timeout_s)
+        events = [t.drained() for t in (self._urgent, self._background)]
+        return all(e.wait(timeout_s) for e in events)
 
-    # ---- on the discovery thread --------------------------------------------------------------
-    def _put(self, priority: int, run) -> None:
-        self._jobs.put(_Job(priority, next(self._seq), run))
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job.run is None:
-                return
-            try:
-                job.run()
-            except Exception as exc:  # a job's own handler failed; keep the thread alive
-                self._fault("job", exc)
-
+    # ---- on the discovery threads -------------------------------------------------------------
     def _ready_embedder(self) -> Embedder | None:
-        if self._embedder is None and self.failed is None:
-            try:
-                t0 = time.perf_counter()
-                self._embedder = self._make_embedder()
-                logger.info("SemShare: donor discovery ready (%s, loaded in %.1f s)",
-                            self._embedder.name, time.perf_counter() - t0)
-            except Exception as exc:
-                self.failed = f"{type(exc).__name__}: {exc}"
-                logger.warning("SemShare: the embedder could not be loaded, semantic donor "
-                               "discovery is off (exact-prefix reuse goes on): %s", self.failed)
+        with self._embedder_lock:  # both threads may ask first; the model loads once
+            if self._embedder is None and self.failed is None:
+                self._load_embedder()
         return self._embedder
 
-    def _embed(self, token_ids: list[int], between_batches=None) -> tuple[DocumentEmbedding, float]:
-        t0 = time.perf_counter()
-        embedding = self._embedder.embed(self._detokenize(token_ids), between_batches)
-        return embedding, (time.perf_counter() - t0) * 1e3
+    def _load_embedder(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            self._embedder = self._make_embedder()
+            self._detokenize([])  # loads the served model's tokenizer now too
+            logger.info("SemShare: donor discovery ready (%s, loaded in %.1f s)",
+                        self._embedder.name, time.perf_counter() - t0)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("SemShare: the embedder could not be loaded, semantic donor "
+                           "discovery is off (exact-prefix reuse goes on): %s", self.failed)
 
-    def _run_waiting_lookups(self) -> float:
-        """Run the lookups queued meanwhile (a request may be waiting on each) inside a long
-        donor embedding; returns the milliseconds they took, which are not the donor's."""
+    def _embed(self, token_ids: list[int]) -> tuple[DocumentEmbedding, float]:
         t0 = time.perf_counter()
-        while True:
-            with self._jobs.mutex:  # peek: PriorityQueue keeps a heap in .queue
-                if not self._jobs.queue or self._jobs.queue[0].priority != _LOOKUP:
-                    break
-                job = heapq.heappop(self._jobs.queue)
-            job.run()
-        return (time.perf_counter() - t0) * 1e3
+        embedding = self._embedder.embed(self._detokenize(token_ids))
+        return embedding, (time.perf_counter() - t0) * 1e3
 
     def _lookup(self, future: Future, namespace: str, token_ids: list[int]) -> None:
         if not future.set_running_or_notify_cancel():
@@ -192,7 +200,7 @@ class DiscoveryService:
             found = self.index.search(namespace, embedding.vector, self.top_k, self.threshold)
             future.set_result(Lookup(found, embedding, fingerprint, embed_ms,
                                      (time.perf_counter() - t0) * 1e3))
-            self.index.build_pending()  # grows a FAISS table when a namespace outgrew exact
+            self.index.build_pending(namespace)  # a FAISS table, once it outgrew exact search
         except Exception as exc:
             self._fault("lookup", exc)
             if not future.done():
@@ -202,13 +210,8 @@ class DiscoveryService:
         if self._ready_embedder() is None:
             return
         try:
-            lent = [0.0]
-
-            def between_batches():
-                lent[0] += self._run_waiting_lookups()
-            embedding, embed_ms = self._embed(token_ids, between_batches)
-            self._embedded.append(Embedded(key, serial, embedding, simhash(token_ids),
-                                           embed_ms - lent[0]))
+            embedding, embed_ms = self._embed(token_ids)
+            self._embedded.append(Embedded(key, serial, embedding, simhash(token_ids), embed_ms))
         except Exception as exc:
             self._fault("register", exc)
 

@@ -175,11 +175,12 @@ class VectorIndex:
             return [Candidate(table.keys[r], 1.0 - float(d[r]) / 64, "simhash") for r in rows]
 
     # ---- FAISS tables (discovery thread) ------------------------------------------------------
-    def build_pending(self) -> int:
-        """Build (or rebuild, past twice the size trained on) the IVF tables of namespaces that
-        need one. Training runs outside the lock; rows added meanwhile are included."""
+    def build_pending(self, namespace: str | None = None) -> int:
+        """Build (or rebuild, past twice the size trained on) the IVF tables of ``namespace`` (or
+        of all namespaces) that need one. Training runs outside the lock; rows added meanwhile
+        are included."""
         built = 0
-        for namespace in list(self._tables):
+        for namespace in [namespace] if namespace is not None else list(self._tables):
             with self._lock:
                 table = self._tables.get(namespace)
                 if table is None or not self._wants_ivf(table):
