@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from semshare_vllm.testbed import models
-from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer, connector_stats
 from semshare_vllm.testbed.text import wiki_extracts
 
 # exact_prefix_ttft.py reads extracts from index 1000 on; this one starts well past them.
@@ -189,16 +189,9 @@ def salt_of(args, burst: int) -> str | None:
 
 def transfer_metrics(log_text: str) -> tuple[list[str], dict[str, float]]:
     """The "KV Transfer metrics" lines of a server log, and their counters summed."""
-    lines, totals = [], {}
-    for line in log_text.splitlines():
-        if "KV Transfer metrics:" not in line:
-            continue
-        body = line.split("KV Transfer metrics:", 1)[1].strip()
-        lines.append(body)
-        for key, value in re.findall(r"(\w+)=([0-9.eE+-]+)", body):
-            if key != "hit_token_rate":
-                totals[key] = totals.get(key, 0) + float(value)
-    return lines, totals
+    lines = [line.split("KV Transfer metrics:", 1)[1].strip() for line in log_text.splitlines()
+             if "KV Transfer metrics:" in line]
+    return lines, connector_stats(log_text)
 
 
 def main() -> None:

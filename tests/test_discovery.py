@@ -8,10 +8,8 @@ real `vllm serve` in test_engine_server.py."""
 
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.embedder import DocumentEmbedding

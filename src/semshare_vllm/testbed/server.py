@@ -150,20 +150,25 @@ class VllmServer:
         return resp.json()["choices"][0]["message"]["content"]
 
     def connector_stats(self) -> dict[str, float]:
-        """The connector's counters, summed over every "KV Transfer metrics" line of the log
-        (vLLM prints one per stats interval; ``VLLM_LOG_STATS_INTERVAL`` sets it)."""
-        totals: dict[str, float] = {}
-        for line in self.log_text().splitlines():
-            _, sep, rest = line.partition("KV Transfer metrics: ")
-            for item in rest.split(", ") if sep else ():
-                name, _, value = item.partition("=")
-                if name.endswith("_rate"):
-                    continue
-                try:
-                    totals[name] = totals.get(name, 0) + float(value)
-                except ValueError:
-                    pass
-        return totals
+        """The connector's counters so far, summed over the log (see ``connector_stats``)."""
+        return connector_stats(self.log_text())
 
     def metrics(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
+
+
+def connector_stats(log_text: str) -> dict[str, float]:
+    """The connector's counters, summed over every "KV Transfer metrics" line of a server log
+    (vLLM prints one per stats interval; ``VLLM_LOG_STATS_INTERVAL`` sets it)."""
+    totals: dict[str, float] = {}
+    for line in log_text.splitlines():
+        _, sep, rest = line.partition("KV Transfer metrics: ")
+        for item in rest.split(", ") if sep else ():
+            name, _, value = item.partition("=")
+            if name.endswith("_rate"):
+                continue
+            try:
+                totals[name] = totals.get(name, 0) + float(value)
+            except ValueError:
+                pass
+    return totals
