@@ -105,6 +105,7 @@ def test_past_the_deadline_the_request_goes_on():
     assert answers[0] == (None, False) and answers[-1] == (0, False)
     assert 0.04 <= time.monotonic() - t0 < 2
     assert s.stats.totals["lookup_timeouts"] == 1 and "t" not in s.found
+    assert 30 <= s.stats.totals["lookup_wait_ms"] <= 60   # held back until the deadline only
     emb.gate.set()
 
 

@@ -69,6 +69,7 @@ class _PendingLookup:
     future: Future
     started: float
     asked: float | None = None   # when vLLM first wanted to schedule the request
+    held: float | None = None    # when we last told it to wait
 
 
 class SemShareScheduler:
@@ -140,22 +141,22 @@ class SemShareScheduler:
         deadline = pending.started + self.config.lookup_deadline_ms / 1e3
         if not pending.future.done():
             if not nothing_left and now < deadline:
+                pending.held = now
                 return True
             pending.future.cancel()
             self.stats.add("lookup_timeouts" if not nothing_left else "lookups_skipped")
-            answered = min(now, deadline)
         else:
-            answered = self._take_lookup(request, pending.future) or now
+            self._take_lookup(request, pending.future)
         del self._lookups[request.request_id]
-        # Held back: from vLLM's first wish to schedule it until the answer (or the deadline),
-        # not the time it then spent in vLLM's queue until the next ask.
-        self.stats.add("lookup_wait_ms", max(0.0, answered - pending.asked) * 1e3)
+        # Held back: from vLLM's first wish to schedule it to the last time we said "wait"; its
+        # time in vLLM's queue before or after is not ours.
+        if pending.held is not None:
+            self.stats.add("lookup_wait_ms", (pending.held - pending.asked) * 1e3)
         return False
 
-    def _take_lookup(self, request, future: Future) -> float | None:
-        """Record what the search found; returns when its answer was ready."""
+    def _take_lookup(self, request, future: Future) -> None:
         if future.cancelled() or future.exception() is not None:
-            return None  # counted by the service as a discovery fault
+            return  # counted by the service as a discovery fault
         lookup: Lookup = future.result()
         self.stats.add("embed_ms", lookup.embed_ms)
         namespace = namespace_of(request)
@@ -169,7 +170,6 @@ class SemShareScheduler:
             self.stats.add("semantic_found")
         else:
             self.stats.add("semantic_misses")
-        return lookup.finished
 
     def _absorb_embeddings(self) -> None:
         """Attach donors' embeddings computed on the discovery thread (the catalog is only ever

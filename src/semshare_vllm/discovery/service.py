@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding, Embedder
@@ -47,7 +47,6 @@ class Lookup:
     fingerprint: int
     embed_ms: float = 0.0
     search_ms: float = 0.0
-    finished: float = field(default_factory=time.monotonic)   # when the answer was ready
 
 
 @dataclass
