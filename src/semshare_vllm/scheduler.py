@@ -5,10 +5,11 @@ block-aligned prefix beyond vLLM's own prefix cache, claim it (leaving at least 
 compute), and tell the worker which donor tokens go into which blocks.
 
 Semantic discovery (``discovery/``): when a request arrives (``on_new_request``) its donor search
-starts on the discovery thread; ``get_num_new_matched_tokens`` answers None ("ask again") while
-the search runs, up to ``lookup_deadline_ms``, then records the donors found in ``found`` (the
-semantic hit path, alignment and recompute, builds on them). Finished requests are embedded on
-that thread too and become searchable when the scheduler thread attaches their vectors.
+starts on the discovery service's lookup thread; ``get_num_new_matched_tokens`` answers None
+("ask again") while the search runs, up to ``lookup_deadline_ms``, then records the donors found
+in ``found`` (the semantic hit path, alignment and recompute, builds on them). Finished requests
+are embedded on the service's background thread and become searchable when this thread attaches
+their vectors to the catalog.
 
 Capture: when a request finishes, keep its blocks (``delay_free``) until the worker has copied
 its KV into the host store and reported the request in ``finished_sending``.
@@ -211,6 +212,7 @@ class SemShareScheduler:
     def shutdown(self) -> None:
         if self.discovery is None:
             return
+        self.discovery.stop_registrations()  # a backlog of donors must not delay shutdown
         self._absorb_embeddings()
         pending = self._maybe_snapshot(force=True)
         if pending is not None:

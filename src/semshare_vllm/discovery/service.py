@@ -46,7 +46,6 @@ class Lookup:
     embedding: DocumentEmbedding | None   # None when a near-duplicate made it unnecessary
     fingerprint: int
     embed_ms: float = 0.0
-    search_ms: float = 0.0
 
 
 @dataclass
@@ -110,6 +109,7 @@ class DiscoveryService:
         self._faults = 0
         self._faults_logged: set[str] = set()
         self._faults_lock = threading.Lock()
+        self._registering = True
         self._urgent = _JobThread("semshare-lookup", 0, self._fault)
         self._background = _JobThread("semshare-embed", BACKGROUND_NICE, self._fault)
         self._urgent.put(self._ready_embedder)  # load the model now, not at the first request
@@ -146,6 +146,10 @@ class DiscoveryService:
         with self._faults_lock:
             n, self._faults = self._faults, 0
         return n
+
+    def stop_registrations(self) -> None:
+        """Donors queued for embedding from now on are dropped (shutdown)."""
+        self._registering = False
 
     def close(self, timeout_s: float = 30) -> None:
         for thread in (self._urgent, self._background):
@@ -185,20 +189,16 @@ class DiscoveryService:
             return  # the request stopped waiting before its turn came
         try:
             fingerprint = simhash(token_ids)
-            t0 = time.perf_counter()
             near = self.index.near_duplicates(namespace, fingerprint, NEAR_DUPLICATE_BITS)
             if near:
-                future.set_result(Lookup(near[:self.top_k], None, fingerprint,
-                                         search_ms=(time.perf_counter() - t0) * 1e3))
+                future.set_result(Lookup(near[:self.top_k], None, fingerprint))
                 return
             if self._ready_embedder() is None:
                 future.set_result(Lookup([], None, fingerprint))
                 return
             embedding, embed_ms = self._embed(token_ids)
-            t0 = time.perf_counter()
             found = self.index.search(namespace, embedding.vector, self.top_k, self.threshold)
-            future.set_result(Lookup(found, embedding, fingerprint, embed_ms,
-                                     (time.perf_counter() - t0) * 1e3))
+            future.set_result(Lookup(found, embedding, fingerprint, embed_ms))
             self.index.build_pending(namespace)  # a FAISS table, once it outgrew exact search
         except Exception as exc:
             self._fault("lookup", exc)
@@ -206,7 +206,7 @@ class DiscoveryService:
                 future.set_exception(exc)
 
     def _register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:
-        if self._ready_embedder() is None:
+        if not self._registering or self._ready_embedder() is None:
             return
         try:
             embedding, embed_ms = self._embed(token_ids)
