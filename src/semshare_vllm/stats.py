@@ -30,7 +30,7 @@ COUNTERS: dict[str, str] = {
     "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
     "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",
     "donors_embedded": "donors made searchable (embedded off the scheduler thread)",
-    "embed_ms": "milliseconds the discovery thread spent embedding (lookups and donors)",
+    "embed_ms": "milliseconds the discovery threads spent embedding (lookups and donors)",
     "discovery_faults": "discovery jobs that failed (the request went on without)",
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",

@@ -237,8 +237,9 @@ def hf_detokenizer(tokenizer_path: str) -> Callable[[list], str]:
 
 
 def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | None:
-    """The discovery service the config asks for (None: ``embedder`` is "none", or the model
-    has no tokenizer to turn prompts back into text)."""
+    """The discovery service the config asks for (None: ``embedder`` is "none", the model has
+    no tokenizer to turn prompts back into text, or the embedder's model is not installed: then
+    discovery is off with one warning, and vLLM starts as usual)."""
     if config.embedder == "none" or not tokenizer_path:
         return None
     from semshare_vllm.discovery.embedder import (
@@ -247,9 +248,15 @@ def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | No
         resolve_device,
     )
 
+    try:
+        embedder_id = embedder_identity()
+    except Exception as exc:
+        logger.warning("SemShare: semantic donor discovery is off (exact-prefix reuse goes on): "
+                       "%s: %s", type(exc).__name__, exc)
+        return None
     device = resolve_device(config.embedder_device)
     index = VectorIndex(kind=config.index_kind, exact_max=config.exact_search_max)
     return DiscoveryService(lambda: make_embedder(config.embedder, device=device),
                             hf_detokenizer(tokenizer_path), index, top_k=config.top_k,
                             threshold=config.similarity_threshold,
-                            embedder_id=embedder_identity())
+                            embedder_id=embedder_id)
