@@ -88,6 +88,57 @@ class SemShareConfig:
         "donor's last reuses above which it is demoted (no longer offered), then evicted.",
         minimum=0.0, maximum=1.0)
 
+    # ---- token alignment (target token -> donor token) ----------------------------------------
+    align_stages: str = _knob(
+        "exact,edit,sentence,lsh", "Alignment stages, in order, comma-separated: \"exact\" "
+        "(token-identical runs at any offset), \"edit\" (edit-align the gaps between runs), "
+        "\"sentence\" (pair reworded or moved sentences), \"lsh\" (SemShareKV's nearest "
+        "token by LSH on RoPE-rotated input embeddings). \"lsh\" alone is the paper's "
+        "matching.")
+    align_min_run: int = _knob(
+        16, "Shortest token-identical run the exact stage takes.", minimum=2)
+    align_sentence_snap: int = _knob(
+        4, "A run spilling at most this many tokens across a sentence boundary is cut there "
+        "(0: never).", minimum=0)
+    edit_min_similarity: float = _knob(
+        0.3, "Edit and sentence stages: smallest normalised Levenshtein similarity of two token "
+        "spans for them to be edit-aligned.", minimum=0.0, maximum=1.0)
+    sentence_min_similarity: float = _knob(
+        0.8, "Sentence stage: smallest cosine of two sentences' vectors (mean input embedding, "
+        "common directions removed) for them to be paired.", minimum=-1.0, maximum=1.0)
+    lsh_bits: int = _knob(
+        32, "LSH stage: random hyperplanes per table (bits * tables must be a multiple of 8).",
+        minimum=1)
+    lsh_tables: int = _knob(
+        2, "LSH stage: independent hyperplane tables; Hamming distances add up.", minimum=1)
+    lsh_max_distance: float = _knob(
+        0.25, "LSH stage: largest fraction of differing code bits for a fuzzy match.",
+        minimum=0.0, maximum=1.0)
+    lsh_rope_style: str = _knob(
+        "neox", "LSH stage: RoPE pairing applied to input embeddings: \"neox\" (halves, as "
+        "vLLM's Llama / Qwen / Mistral), \"gptj\" (adjacent pairs, the paper's eq. 1), "
+        "\"none\".", choices=("neox", "gptj", "none"))
+    lsh_rope_base: float = _knob(
+        0.0, "LSH stage: RoPE base for the embeddings; 0 = the model's rope_theta.",
+        minimum=0.0)
+    embedding_sketch_dim: int = _knob(
+        -1, "Input-embedding matrix kept by the scheduler for the sentence and LSH stages: -1 = "
+        "whole up to 64M elements, a 256-dim random projection beyond; 0 = always whole; n = a "
+        "projection to n dims.", minimum=-1)
+
+    def __post_init__(self):
+        # Checks across keys (one key's range alone cannot say it).
+        stages = [x.strip() for x in self.align_stages.split(",") if x.strip()]
+        bad = [x for x in stages if x not in ALIGN_STAGES]
+        if bad or len(set(stages)) != len(stages):
+            raise SemShareConfigError(
+                f"align_stages: a comma-separated subset of {', '.join(ALIGN_STAGES)} without "
+                f"repeats; got {self.align_stages!r}")
+        if (self.lsh_bits * self.lsh_tables) % 8:
+            raise SemShareConfigError(
+                f"lsh_bits * lsh_tables must be a multiple of 8; got {self.lsh_bits} * "
+                f"{self.lsh_tables}")
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None,
@@ -119,6 +170,8 @@ class SemShareConfig:
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+ALIGN_STAGES = ("exact", "edit", "sentence", "lsh")
 
 # SEMSHARE_* variables that are not connector knobs (where derived files are cached).
 _OTHER_SEMSHARE_ENV = frozenset({"SEMSHARE_CACHE_DIR"})

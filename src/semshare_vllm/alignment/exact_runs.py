@@ -76,7 +76,14 @@ def find_runs(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.ndar
 
 
 def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.ndarray,
-                min_len: int = MIN_RUN, max_occurrences: int = MAX_OCCURRENCES) -> Alignment:
+                min_len: int = MIN_RUN, max_occurrences: int = MAX_OCCURRENCES,
+                sentence_starts: np.ndarray | None = None, snap: int = 0) -> Alignment:
+    """Runs of at least ``min_len`` tokens, longest first (module docstring).
+
+    With ``sentence_starts`` (bool per target position) and ``snap`` > 0, a run that begins or
+    ends at most ``snap`` tokens away from a sentence boundary is cut there: a few tokens spilling
+    into a neighbouring sentence are usually a coincidence of wording, and leaving them to the
+    later stages keeps runs whole sentences."""
     n = len(target)
     donor_pos = np.full(n, -1, dtype=np.int64)
     offset_at = np.zeros(n, dtype=np.int64)      # offset of the run each position took
@@ -91,9 +98,12 @@ def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.nd
         run = options[0] if len(options) == 1 else _closest(options, start, length, taken,
                                                              offset_at)
         for seg_start, seg_len in _free_segments(taken[start:start + length]):
+            s = start + seg_start
+            if sentence_starts is not None and snap > 0:
+                cut_s, cut_e = _snap(sentence_starts, s, s + seg_len, snap)
+                seg_start, seg_len, s = seg_start + cut_s - s, cut_e - cut_s, cut_s
             if seg_len < min_len:
                 continue
-            s = start + seg_start
             donor_pos[s:s + seg_len] = np.arange(run.donor_start + seg_start,
                                                  run.donor_start + seg_start + seg_len)
             offset_at[s:s + seg_len] = run.offset
@@ -101,7 +111,21 @@ def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.nd
             used.append(Run(s, run.donor_start + seg_start, seg_len))
     kind = np.where(taken, MatchKind.EXACT, MatchKind.NONE).astype(np.int8)
     return Alignment(donor_pos, kind, taken.astype(np.float32),
-                     tuple(sorted(used, key=lambda r: r.target_start)))
+                     tuple(sorted(used, key=lambda r: r.target_start)),
+                     {"exact": int(taken.sum())})
+
+
+def _snap(starts: np.ndarray, begin: int, end: int, snap: int) -> tuple[int, int]:
+    """``[begin, end)`` with a short head / tail across a sentence boundary cut off."""
+    if not starts[begin]:
+        ahead = np.flatnonzero(starts[begin + 1:min(end, begin + snap + 1)])
+        if len(ahead):
+            begin += 1 + int(ahead[0])
+    if end < len(starts) and not starts[end]:
+        behind = np.flatnonzero(starts[max(begin + 1, end - snap):end])
+        if len(behind):
+            end = max(begin + 1, end - snap) + int(behind[-1])
+    return begin, end
 
 
 def _closest(options: list[Run], start: int, length: int, taken: np.ndarray,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -10,8 +10,8 @@ import numpy as np
 
 class MatchKind(IntEnum):
     NONE = 0     # computed, no donor KV
-    EXACT = 1    # inside a token-identical run
-    FUZZY = 2    # nearest donor token by LSH (not yet)
+    EXACT = 1    # the donor token is the same token (a run, or an equal piece of an edit)
+    FUZZY = 2    # a different donor token: a replaced word of an edit, or the LSH nearest
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,9 @@ class Alignment:
     donor_pos: np.ndarray     # [target_len] int64: donor position, or -1
     kind: np.ndarray          # [target_len] int8: MatchKind
     confidence: np.ndarray    # [target_len] float32 in [0, 1]
-    runs: tuple[Run, ...]     # the exact runs used, in target order
+    runs: tuple[Run, ...]     # the token-identical runs used, in target order
+    # Positions each stage aligned, by stage name ("exact", "edit", "sentence", "lsh").
+    stage_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def coverage(self) -> float:
@@ -44,5 +46,48 @@ class Alignment:
         return float((self.kind == MatchKind.EXACT).mean()) if len(self.kind) else 0.0
 
     @property
+    def fuzzy_coverage(self) -> float:
+        return float((self.kind == MatchKind.FUZZY).mean()) if len(self.kind) else 0.0
+
+    @property
     def num_runs(self) -> int:
         return len(self.runs)
+
+    def summary(self) -> dict:
+        return {"tokens": len(self.donor_pos), "coverage": round(self.coverage, 4),
+                "exact_coverage": round(self.exact_coverage, 4),
+                "fuzzy_coverage": round(self.fuzzy_coverage, 4), "runs": self.num_runs,
+                **{f"by_{k}": v for k, v in self.stage_counts.items()}}
+
+
+class AlignmentBuilder:
+    """Mutable arrays the stages fill in turn; a stage only ever takes free positions."""
+
+    def __init__(self, start: Alignment):
+        self.donor_pos = start.donor_pos.copy()
+        self.kind = start.kind.copy()
+        self.confidence = start.confidence.copy()
+        self.runs = list(start.runs)
+        self.stage_counts = dict(start.stage_counts)
+
+    @property
+    def free(self) -> np.ndarray:
+        return self.donor_pos < 0
+
+    def take(self, stage: str, target_pos: np.ndarray, donor_pos: np.ndarray,
+             kind: np.ndarray | int, confidence: np.ndarray | float) -> int:
+        """Assign the still-free ones of ``target_pos``; returns how many were taken."""
+        target_pos = np.asarray(target_pos, dtype=np.int64)
+        keep = self.donor_pos[target_pos] < 0
+        t = target_pos[keep]
+        self.donor_pos[t] = np.asarray(donor_pos, dtype=np.int64)[keep] if np.ndim(donor_pos) \
+            else donor_pos
+        self.kind[t] = np.asarray(kind)[keep] if np.ndim(kind) else kind
+        self.confidence[t] = np.asarray(confidence)[keep] if np.ndim(confidence) else confidence
+        self.stage_counts[stage] = self.stage_counts.get(stage, 0) + len(t)
+        return len(t)
+
+    def build(self) -> Alignment:
+        return Alignment(self.donor_pos, self.kind, self.confidence,
+                         tuple(sorted(self.runs, key=lambda r: r.target_start)),
+                         self.stage_counts)

@@ -134,6 +134,15 @@ def edit_document(text: str, level: float, op: str, rng: random.Random,
     return "".join(out).strip()
 
 
+def reword_document(text: str, level: float, rng: random.Random, words: list[str]) -> str:
+    """``text`` with each word replaced, with probability ``level``, by a word of ``words``
+    (spacing and punctuation kept): word-level edits inside every sentence, the case sentence
+    edits never produce."""
+    def swap(m: re.Match) -> str:
+        return rng.choice(words) if rng.random() < level else m.group()
+    return re.sub(r"[A-Za-z]+", swap, text)
+
+
 # ---- sources -----------------------------------------------------------------------------------
 class Sources:
     """Hands out real texts without reuse, so no two pairs (and no negative) share source text:
