@@ -1,0 +1,197 @@
+"""Throughput of the fused KV move: gather staged donor rows, RoPE-correct K, scatter into the
+paged cache of every layer (``semshare_vllm.kernels.gather_rearrange``).
+
+* CPU: the torch reference on a SmolLM2-135M-shaped cache (30 layers, 3 KV heads, head 64,
+  block 16), fp32 and bf16, CPU_ATTN "vec" pages and packed pages, 2K and 8K tokens.
+* CUDA (only when available): the Triton kernel on a Qwen2.5-7B-shaped cache (28 layers,
+  4 KV heads, head 128, bf16, packed pages), 8K and 32K tokens, with the share of the device's
+  peak bandwidth and a check against the torch reference.
+
+GB/s counts bytes read from the staging tensor plus bytes written to the cache (index, position
+and angle-table traffic left out); the time is the median of ``--repeats`` runs after a warm-up.
+Source rows are shuffled (donor tokens land at other positions); target blocks are shuffled too.
+
+    python benchmarks/kernel_throughput.py [--repeats 5] [--peak-gbps 3350]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
+from semshare_vllm.kv_layout import PageLayout
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    rope_theta: float
+    block_size: int = 16
+
+
+SMOLLM2_135M = ModelShape("SmolLM2-135M", 30, 3, 64, 100000.0)
+QWEN25_7B = ModelShape("Qwen2.5-7B", 28, 4, 128, 1000000.0)
+
+
+@dataclass
+class Case:
+    src: torch.Tensor  # [L, T, H, 2D] staging
+    rows: torch.Tensor
+    slots: torch.Tensor
+    src_pos: torch.Tensor
+    dst_pos: torch.Tensor
+    caches: list[torch.Tensor]
+    addressing: PageAddressing
+    table: RopeTable
+
+    @property
+    def bytes_moved(self) -> int:
+        per_token = self.src[0, 0].numel() * self.src.shape[0]
+        return self.rows.numel() * per_token * (self.src.element_size()
+                                                + self.caches[0].element_size())
+
+    def move(self, impl: str, caches: list[torch.Tensor] | None = None) -> None:
+        gather_rearrange(self.src, self.rows, self.slots, caches or self.caches, self.addressing,
+                         self.table, self.src_pos, self.dst_pos, impl=impl)
+
+
+def rope_table(shape: ModelShape, max_position: int) -> RopeTable:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(shape.head_size, max_position,
+                        rope_parameters={"rope_theta": shape.rope_theta}, dtype=torch.float32)
+    return RopeTable.from_vllm(rope)
+
+
+def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayout,
+               table: RopeTable, device: str, seed: int = 0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    bs = shape.block_size
+    num_blocks = -(-tokens // bs) + 1
+    buffer = torch.zeros(shape.layers, num_blocks, shape.kv_heads, bs, 2 * shape.head_size,
+                         dtype=dtype, device=device)  # one allocation, like vLLM's
+    torch.manual_seed(seed)
+    src = torch.randn(shape.layers, tokens, shape.kv_heads, 2 * shape.head_size, device=device,
+                      dtype=dtype)
+    rows = torch.randperm(tokens, generator=g)
+    blocks = torch.randperm(num_blocks, generator=g)
+    pos = torch.arange(tokens)
+    slots = blocks[pos // bs] * bs + pos % bs
+    src_pos = (rows + 7) % table.max_position  # the donor had these tokens elsewhere
+    caches = list(buffer)
+    return Case(src, rows.to(device), slots.to(device), src_pos.to(device), pos.to(device),
+                caches, PageAddressing.from_layout(layout, caches[0]).to(device),
+                table.to(device))
+
+
+def median_seconds(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up (and Triton compile)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "|".join("---" for _ in headers) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+    print()
+
+
+def cpu_row(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayout,
+            table: RopeTable, repeats: int) -> list:
+    case = build_case(shape, tokens, dtype, layout, table, "cpu")
+    seconds = median_seconds(partial(case.move, "torch"), repeats, "cpu")
+    return [layout.backend, str(dtype).removeprefix("torch."), tokens,
+            f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.1f}",
+            f"{case.bytes_moved / seconds / 1e9:.2f}"]
+
+
+def cpu_suite(args) -> None:
+    shape = SMOLLM2_135M
+    table = rope_table(shape, max(args.cpu_tokens) + 64)
+    layouts = [PageLayout("CPU_ATTN", shape.head_size, "vec"),
+               PageLayout("FLASH_ATTN", shape.head_size)]
+    rows = [cpu_row(shape, tokens, dtype, layout, table, args.repeats)
+            for layout in layouts for dtype in (torch.float32, torch.bfloat16)
+            for tokens in args.cpu_tokens]
+    print(f"### CPU torch reference, {shape.name} cache ({shape.layers} layers, "
+          f"{shape.kv_heads} KV heads, head {shape.head_size}, block {shape.block_size}), "
+          f"{torch.get_num_threads()} threads\n")
+    print_table(["layout", "dtype", "tokens", "MiB moved", "ms (median)", "GB/s"], rows)
+
+
+def gpu_row(shape: ModelShape, tokens: int, layout: PageLayout, table: RopeTable, args,
+            device: str) -> list:
+    case = build_case(shape, tokens, torch.bfloat16, layout, table, device)
+    seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
+    want = [torch.zeros_like(c) for c in case.caches]
+    case.move("torch", want)
+    exact = all(torch.equal(w, c) for w, c in zip(want, case.caches))
+    worst = max((w.float() - c.float()).abs().max().item() for w, c in zip(want, case.caches))
+    gbps = case.bytes_moved / seconds / 1e9
+    return [tokens, f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
+            f"{100 * gbps / args.peak_gbps:.1f}%",
+            "bit-exact" if exact else f"max abs diff {worst:.3g}"]
+
+
+def gpu_suite(args, device: str = "cuda") -> None:
+    """(``device`` other than cuda only to dry-run this code under TRITON_INTERPRET=1.)"""
+    shape = QWEN25_7B
+    table = rope_table(shape, max(args.gpu_tokens) + 64)
+    layout = PageLayout("FLASH_ATTN", shape.head_size)
+    rows = []
+    for tokens in args.gpu_tokens:
+        rows.append(gpu_row(shape, tokens, layout, table, args, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"### Triton kernel, {shape.name} cache ({shape.layers} layers, {shape.kv_heads} "
+          f"KV heads, head {shape.head_size}, bf16, packed), {name}, "
+          f"peak {args.peak_gbps:.0f} GB/s\n")
+    print_table(["tokens", "MiB moved", "ms (median)", "GB/s", "% of peak", "vs reference"],
+                rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-gbps", type=float, default=3350.0,
+                        help="device peak memory bandwidth (default: H100 SXM)")
+    parser.add_argument("--cpu-tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--gpu-tokens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--skip-cpu", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_cpu:
+        cpu_suite(args)
+    if torch.cuda.is_available():
+        gpu_suite(args)
+    else:
+        print("(no CUDA device: Triton kernel not timed)")
+
+
+if __name__ == "__main__":
+    main()

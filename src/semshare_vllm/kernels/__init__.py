@@ -1,0 +1,30 @@
+"""KV-moving kernels: each a torch reference, a Triton kernel and a dispatcher.
+
+Public entries:
+
+* ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``), ``UnsupportedRope`` and
+  ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate cached keys from the donor's
+  positions to the target's, exactly (``rope_correct_reference`` is the torch version);
+* ``PageAddressing`` (``.packed``, ``.cpu_pages``, ``.from_layout``) and
+  ``gather_rearrange(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)``:
+  gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
+  (``gather_rearrange_reference`` is the torch version).
+
+The dispatchers run Triton on CUDA tensors, torch otherwise (``impl="torch"`` / ``"triton"``
+forces one; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``, as in the tests). Triton is
+imported only when used.
+"""
+
+from .gather_rearrange import gather_rearrange, gather_rearrange_reference
+from .page_addressing import PageAddressing
+from .rope import RopeTable, UnsupportedRope, correct_rope, rope_correct_reference
+
+__all__ = [
+    "PageAddressing",
+    "RopeTable",
+    "UnsupportedRope",
+    "correct_rope",
+    "gather_rearrange",
+    "gather_rearrange_reference",
+    "rope_correct_reference",
+]

@@ -1,0 +1,156 @@
+"""The torch reference of the fused gather + RoPE + scatter against the obvious slow version: one
+token at a time through ``kv_layout``'s views, for packed and CPU_ATTN pages."""
+
+import pytest
+import torch
+
+from semshare_vllm.kernels.gather_rearrange import gather_rearrange, gather_rearrange_reference
+from semshare_vllm.kernels.page_addressing import PageAddressing
+from semshare_vllm.kernels.rope import RopeTable, rope_correct_reference
+from semshare_vllm.kv_layout import (
+    PackedKVView,
+    PagedRegionKVView,
+    PageLayout,
+    UnsupportedKVLayout,
+    kv_view,
+)
+
+L, B, H, N, D = 3, 12, 2, 16, 32
+T_SRC, M = 40, 37
+MAX_POS = 300
+
+
+def make_table(style):
+    """A hand-built rotation table (vLLM-derived ones are covered by test_kernels_rope)."""
+    if style is None:
+        return None
+    rotary_dim = D if style == "neox" else 24
+    half = rotary_dim // 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(half, dtype=torch.float) / half)
+    angles = torch.arange(MAX_POS, dtype=torch.float)[:, None] * inv_freq
+    return RopeTable(torch.cat((angles.cos(), angles.sin()), dim=1), D, rotary_dim,
+                     is_neox=style == "neox")
+
+
+def layer_tensors(arrangement, dtype, token_major=False):
+    """Per-layer ``[B, H, N, 2D]`` tensors: views of one buffer (what vLLM allocates), separate
+    allocations, or one buffer at irregular offsets (no uniform stack)."""
+    def one(storage):
+        if token_major:  # physical [B, N, H, 2D], logical [B, H, N, 2D]
+            return storage.view(B, N, H, 2 * D).permute(0, 2, 1, 3)
+        return storage.view(B, H, N, 2 * D)
+
+    size = B * H * N * 2 * D
+    if arrangement == "uniform":
+        flat = torch.zeros(L * size, dtype=dtype)
+        return [one(flat[i * size:(i + 1) * size]) for i in range(L)]
+    if arrangement == "separate":
+        return [one(torch.zeros(size, dtype=dtype)) for _ in range(L)]
+    flat = torch.zeros(L * size + 7 * L, dtype=dtype)
+    starts = [0, size + 3, 2 * size + 7 * L - 1][:L]
+    return [one(flat[s:s + size]) for s in starts]
+
+
+def orders(kind):
+    n, d = torch.meshgrid(torch.arange(N), torch.arange(D), indexing="ij")
+    if kind == "cpu_token_major":
+        return n * D + d, n * D + d
+    g = torch.Generator().manual_seed(11)
+    return torch.randperm(N * D, generator=g).view(N, D), torch.randperm(N * D, generator=g).view(N, D)
+
+
+def target(kind, dtype, arrangement):
+    """(caches, addressing, per-layer slow views) of one layout."""
+    caches = layer_tensors(arrangement, dtype, token_major=kind == "packed_token_major")
+    if kind in ("packed", "packed_token_major"):
+        return caches, PageAddressing.packed(caches[0]), [PackedKVView(c, D) for c in caches]
+    if kind == "cpu_vec":  # the real order of vLLM's CPU kernel (K transposed)
+        layout = PageLayout("CPU_ATTN", D, "vec")
+        views = [kv_view(c, "CPU_ATTN", D, cpu_isa="vec") for c in caches]
+        return caches, PageAddressing.from_layout(layout, caches[0]), views
+    k_pos, v_pos = orders(kind)
+    views = [PagedRegionKVView(c, D, k_pos, v_pos) for c in caches]
+    return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos), views
+
+
+def moves(seed, table):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, T_SRC, (M,), generator=g)
+    rows[1] = rows[0]  # a source row used twice
+    slots = torch.randperm(B * N, generator=g)[:M]
+    src_pos = torch.randint(0, MAX_POS, (M,), generator=g)
+    dst_pos = torch.randint(0, MAX_POS, (M,), generator=g)
+    dst_pos[::5] = src_pos[::5]
+    return rows, slots, src_pos, dst_pos
+
+
+def staging(dtype, seed):
+    """``[L, T, H, 2D]`` with non-contiguous strides (a transposed view)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T_SRC, L, H, 2 * D, generator=g).to(dtype).transpose(0, 1)
+
+
+def slow_move(src, rows, slots, views, table, src_pos, dst_pos):
+    for layer, view in enumerate(views):
+        for m in range(len(rows)):
+            kv = src[layer, rows[m]][None]  # [1, H, 2D]
+            k = kv[..., :D].float()
+            if table is not None:
+                k = rope_correct_reference(k, src_pos[m:m + 1], dst_pos[m:m + 1], table)
+            view.write(slots[m:m + 1], k, kv[..., D:])
+
+
+KINDS = ["packed", "packed_token_major", "cpu_vec", "cpu_token_major", "cpu_permuted"]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("src_dtype, cache_dtype", DTYPES)
+@pytest.mark.parametrize("rope", [None, "neox", "gptj_partial"])
+@pytest.mark.parametrize("arrangement", ["uniform", "separate", "irregular"])
+def test_reference_equals_slow_token_by_token(kind, src_dtype, cache_dtype, rope, arrangement):
+    table = make_table(rope)
+    src = staging(src_dtype, seed=1)
+    rows, slots, src_pos, dst_pos = moves(2, table)
+    fast, addressing, _ = target(kind, cache_dtype, arrangement)
+    slow, _, slow_views = target(kind, cache_dtype, arrangement)
+    gather_rearrange_reference(src, rows, slots, fast, addressing, table, src_pos, dst_pos)
+    slow_move(src, rows, slots, slow_views, table, src_pos, dst_pos)
+    for f, s in zip(fast, slow):
+        assert torch.equal(f, s)
+    assert any(bool(f.abs().sum() > 0) for f in fast)
+    if table is not None:  # the rotation did happen
+        plain, _, _ = target(kind, cache_dtype, arrangement)
+        gather_rearrange_reference(src, rows, slots, plain, addressing)
+        assert not torch.equal(plain[0], fast[0])
+
+
+def test_cpu_vec_addressing_is_k_transposed():
+    cache = torch.zeros(B, H, N, 2 * D)
+    a = PageAddressing.from_layout(PageLayout("CPU_ATTN", D, "vec"), cache)
+    n, d = torch.meshgrid(torch.arange(N), torch.arange(D), indexing="ij")
+    assert torch.equal(a.k_offsets.long(), d * N + n)
+    assert torch.equal(a.v_offsets.long(), N * D + n * D + d)
+    assert (a.block_stride, a.head_stride) == (H * N * 2 * D, N * 2 * D)
+
+
+def test_dispatcher_torch_path_and_edge_cases():
+    table = make_table("neox")
+    src = staging(torch.float32, seed=3)
+    rows, slots, src_pos, dst_pos = moves(4, table)
+    want, addressing, _ = target("cpu_vec", torch.float32, "uniform")
+    got, _, _ = target("cpu_vec", torch.float32, "uniform")
+    gather_rearrange_reference(src, rows, slots, want, addressing, table, src_pos, dst_pos)
+    gather_rearrange(src, rows, slots, got, addressing, table, src_pos, dst_pos, impl="torch")
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    empty = torch.zeros(0, dtype=torch.long)
+    gather_rearrange(src, empty, empty, got, addressing, table, empty, empty, impl="torch")
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    with pytest.raises(ValueError):  # a cache of another shape than the addressing's
+        gather_rearrange_reference(src, rows, slots, [torch.zeros(B + 1, H, N, 2 * D)] * L,
+                                   addressing)
+    with pytest.raises(ValueError):  # RoPE without positions
+        gather_rearrange_reference(src, rows, slots, got, addressing, table)
+    with pytest.raises(UnsupportedKVLayout):  # CPU pages must be contiguous
+        PageAddressing.cpu_pages(torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3), *orders("x"))

@@ -1,0 +1,148 @@
+"""The Triton kernels against their torch references, run by the Triton interpreter on CPU:
+bit-exact in fp32, within one rounding step in bf16 / fp16 (the interpreter truncates
+fp32 -> bf16 where torch and GPUs round to nearest even).
+
+TRITON_INTERPRET is read when ``@triton.jit`` decorates, so it cannot be switched on inside a
+running process that lacks it: there this file re-runs itself in a subprocess with it set.
+(tests/conftest.py sets it by default, so a plain pytest run takes the direct path.)
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+
+    def test_triton_kernels_under_interpreter():
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__],
+                              env={**os.environ, "TRITON_INTERPRET": "1"},
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+
+else:
+    from semshare_vllm.kernels import triton_gather
+    from semshare_vllm.kernels.gather_rearrange import (
+        gather_rearrange,
+        gather_rearrange_reference,
+    )
+    from semshare_vllm.kernels.page_addressing import PageAddressing
+    from semshare_vllm.kernels.rope import RopeTable, correct_rope, rope_correct_reference
+    from semshare_vllm.kv_layout import PageLayout
+
+    MAX_POS = 1024
+    # name -> (head_size, is_neox_style, rope_parameters)
+    TABLES = {
+        "neox": (64, True, None),
+        "gptj": (64, False, None),
+        "partial": (64, True, {"rope_type": "default", "partial_rotary_factor": 0.5}),
+        "partial_gptj": (64, False, {"rope_type": "default", "partial_rotary_factor": 0.25}),
+        "yarn": (64, True, {"rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 256}),
+        "neox_head80": (80, True, None),  # head size not a power of two: masked dims
+    }
+
+    @pytest.fixture(scope="module")
+    def tables():
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        with set_current_vllm_config(VllmConfig()):
+            return {name: RopeTable.from_vllm(get_rope(head, MAX_POS, is_neox_style=neox,
+                                                       rope_parameters=params,
+                                                       dtype=torch.float32))
+                    for name, (head, neox, params) in TABLES.items()}
+
+    def steps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+        """Largest distance between a and b in representable values of their 16-bit dtype."""
+        def ordered(x):
+            bits = x.view(torch.int16).int()
+            return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+        return int((ordered(a) - ordered(b)).abs().max())
+
+    def assert_matches(got: torch.Tensor, want: torch.Tensor):
+        assert got.dtype == want.dtype
+        if got.dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            assert steps_apart(got, want) <= 1
+
+    def positions(count, limit, seed):
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, limit, (count,), generator=g)
+        dst = torch.randint(0, limit, (count,), generator=g)
+        dst[::4] = src[::4]
+        return src, dst
+
+    @pytest.mark.parametrize("name", sorted(TABLES))
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_rope_kernel_matches_reference(tables, name, dtype):
+        table = tables[name]
+        g = torch.Generator().manual_seed(1)
+        # a strided view: heads of a [T, H + 1, D] buffer
+        k = torch.randn(70, 4, table.head_size, generator=g).to(dtype)[:, 1:]
+        src, dst = positions(70, table.max_position, seed=2)
+        want = rope_correct_reference(k, src, dst, table)
+        got = correct_rope(k, src, dst, table, impl="triton")
+        assert_matches(got, want)
+        assert torch.equal(got[::4], k[::4])  # p == q: untouched, bit for bit
+        in_place = k.clone()
+        correct_rope(in_place, src, dst, table, out=in_place, impl="triton")
+        assert torch.equal(in_place, got)
+
+    L, B, H, N = 3, 8, 2, 16
+    T_SRC, M = 50, 45
+
+    def caches_for(kind, arrangement, dtype, head):
+        size = B * H * N * 2 * head
+        if arrangement == "uniform":
+            flat = torch.zeros(L * size, dtype=dtype)
+            storages = [flat[i * size:(i + 1) * size] for i in range(L)]
+        else:
+            storages = [torch.zeros(size, dtype=dtype) for _ in range(L)]
+        if kind == "packed_token_major":
+            caches = [s.view(B, N, H, 2 * head).permute(0, 2, 1, 3) for s in storages]
+        else:
+            caches = [s.view(B, H, N, 2 * head) for s in storages]
+        if kind.startswith("packed"):
+            return caches, PageAddressing.packed(caches[0])
+        if kind == "cpu_vec":
+            return caches, PageAddressing.from_layout(PageLayout("CPU_ATTN", head, "vec"),
+                                                      caches[0])
+        g = torch.Generator().manual_seed(7)
+        k_pos = torch.randperm(N * head, generator=g).view(N, head)
+        v_pos = torch.randperm(N * head, generator=g).view(N, head)
+        return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos)
+
+    @pytest.mark.parametrize("kind, arrangement", [
+        ("packed", "uniform"), ("packed_token_major", "separate"), ("cpu_vec", "uniform"),
+        ("cpu_permuted", "separate")])
+    @pytest.mark.parametrize("src_dtype, cache_dtype", [
+        (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+    @pytest.mark.parametrize("rope", [None, "neox", "partial_gptj", "yarn", "neox_head80"])
+    def test_gather_kernel_matches_reference(tables, monkeypatch, kind, arrangement, src_dtype,
+                                             cache_dtype, rope):
+        table = tables[rope] if rope else None
+        head = table.head_size if table else 64
+        launches = []
+        stack = triton_gather.stack_layers
+        monkeypatch.setattr(triton_gather, "stack_layers",
+                            lambda caches: launches.append(stack(caches)) or launches[-1])
+        g = torch.Generator().manual_seed(3)
+        src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(src_dtype).transpose(0, 1)
+        rows = torch.randint(0, T_SRC, (M,), generator=g)
+        rows[1] = rows[0]
+        slots = torch.randperm(B * N, generator=g)[:M]
+        src_pos, dst_pos = positions(M, table.max_position if table else 1, seed=4)
+        want, addressing = caches_for(kind, arrangement, cache_dtype, head)
+        got, _ = caches_for(kind, arrangement, cache_dtype, head)
+        gather_rearrange_reference(src, rows, slots, want, addressing, table, src_pos, dst_pos)
+        gather_rearrange(src, rows, slots, got, addressing, table, src_pos, dst_pos,
+                         impl="triton")
+        for w, g_ in zip(want, got):
+            assert_matches(g_, w)
+        assert any(bool(w.abs().sum() > 0) for w in want)
+        assert len(launches[0]) == (1 if arrangement == "uniform" else L)
