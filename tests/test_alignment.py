@@ -269,3 +269,17 @@ def test_real_pairs(tok, table, splitter):
     assert min(coverage["cross-instruction"]) > 0.9
     assert min(coverage["reordered"]) > 0.9
     assert min(coverage["edited@0.1"]) > 0.9
+
+
+def test_rope_far_positions_match_the_kept_table():
+    from semshare_vllm.alignment import lsh
+
+    x = torch.randn(3, 32)
+    far = np.array([5, 40_000, 70_000])
+    got = rope_rotate(x, far, 1e4)                        # beyond the kept table
+    angle = torch.from_numpy(far.astype(np.float64))[:, None] * lsh._inv_freq(1e4, 32)
+    a, b = x[:, :16].double(), x[:, 16:].double()
+    want = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], 1)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    near = rope_rotate(x[:1], np.array([5]), 1e4)          # the kept table gives the same
+    assert torch.allclose(near, got[:1], atol=1e-6)

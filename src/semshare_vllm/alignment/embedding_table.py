@@ -5,7 +5,8 @@ embedding. ``EmbeddingTable.load`` reads only the embedding tensor out of the mo
 safetensors files (lazily, once per process and model). Large vocabularies can be kept as a
 compact sketch instead: a fixed random projection to ``sketch_dim`` dims (Johnson-Lindenstrauss:
 inner products, hence SimHash codes and cosines, are preserved approximately), built slice by
-slice so the full matrix is never held in memory at once.
+slice so the full matrix is never held in memory at once. (With a sketch, the LSH stage rotates
+the projected vectors: an approximation of the paper's RoPE on the full rows.)
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class EmbeddingTable:
 
     @classmethod
     def load(cls, model_dir: str | Path, sketch_dim: int | None = None) -> "EmbeddingTable":
-        """The table for the model in ``model_dir``; cached per process. ``sketch_dim``: None
-        or -1 (the config's ``embedding_sketch_dim`` default) = full matrix up to ``FULL_MATRIX_MAX`` elements, a sketch of
-        ``DEFAULT_SKETCH_DIM`` beyond; 0 = always full; n = always a sketch of n dims."""
+        """The table for the model in ``model_dir``; cached per process. ``sketch_dim``: None or
+        -1 (the config's ``embedding_sketch_dim`` default) = the full matrix up to
+        ``FULL_MATRIX_MAX`` elements, a sketch of ``DEFAULT_SKETCH_DIM`` dims beyond; 0 = always
+        full; n = always a sketch of n dims."""
         return _load(str(Path(model_dir).resolve()),
                      None if sketch_dim is None or sketch_dim < 0 else sketch_dim)
 

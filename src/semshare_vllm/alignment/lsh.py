@@ -36,7 +36,7 @@ class LshParams:
     bits: int = 32              # hyperplanes per table (max_dist = 30 suggests ~32-bit codes)
     tables: int = 2             # independent tables, distances summed
     seed: int = 1234
-    rope_style: str = "neox"    # "neox" (vLLM's Llama / Qwen / Mistral), "gptj" (the paper's eq. 1), "none"
+    rope_style: str = "neox"    # "neox" (vLLM's Llama/Qwen/Mistral), "gptj" (paper eq. 1), "none"
     rope_base: float | None = None   # None: the model's rope_theta
     max_distance: float = 0.25  # accept a fuzzy match up to this fraction of differing bits
     candidates: int = 1         # nearest codes examined; > 1 breaks ties by predicted position
@@ -62,14 +62,19 @@ def rope_rotate(vectors: torch.Tensor, positions: np.ndarray, base: float,
     dim = vectors.shape[1] - vectors.shape[1] % 2
     half = dim // 2
     positions = np.asarray(positions, dtype=np.int64)
-    cos, sin = _cos_sin(base, dim, int(positions.max()) + 1 if len(positions) else 1)
-    first = int(positions[0]) if len(positions) else 0
-    if len(positions) and positions[-1] - first == len(positions) - 1 and (
-            np.diff(positions) == 1).all():
-        cos, sin = cos[first:first + len(positions)], sin[first:first + len(positions)]  # views
+    length = int(positions.max()) + 1 if len(positions) else 1
+    if length > _TABLE_MAX:  # very long prompts: these positions' angles only
+        angle = torch.from_numpy(positions.astype(np.float64))[:, None] * _inv_freq(base, dim)
+        cos, sin = angle.cos().float(), angle.sin().float()
     else:
-        pos = torch.from_numpy(positions)
-        cos, sin = cos[pos], sin[pos]
+        cos, sin = _cos_sin(base, dim, length)
+        first = int(positions[0]) if len(positions) else 0
+        if len(positions) and positions[-1] - first == len(positions) - 1 and (
+                np.diff(positions) == 1).all():
+            cos, sin = cos[first:first + len(positions)], sin[first:first + len(positions)]
+        else:
+            pos = torch.from_numpy(positions)
+            cos, sin = cos[pos], sin[pos]
     if style == "neox":
         a, b = vectors[:, :half], vectors[:, half:dim]
         parts = [a * cos - b * sin, b * cos + a * sin]
@@ -79,16 +84,22 @@ def rope_rotate(vectors: torch.Tensor, positions: np.ndarray, base: float,
     return torch.cat(parts + [vectors[:, dim:]], dim=1)
 
 
+# Positions up to this get a kept cos / sin table (SmolLM2: 38 MB at 16K); beyond, the angles of
+# the positions asked for are computed each time.
+_TABLE_MAX = 16384
 _tables: dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _inv_freq(base: float, dim: int) -> torch.Tensor:
+    return base ** (-torch.arange(dim // 2, dtype=torch.float64) * 2 / dim)
 
 
 def _cos_sin(base: float, dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin of every position's angles, fp32 from fp64; grown by doubling, kept."""
     have = _tables.get((base, dim))
     if have is None or len(have[0]) < length:
-        size = max(4096, 1 << (length - 1).bit_length())
-        inv_freq = base ** (-torch.arange(dim // 2, dtype=torch.float64) * 2 / dim)
-        angle = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq
+        size = min(_TABLE_MAX, max(4096, 1 << (length - 1).bit_length()))
+        angle = torch.arange(size, dtype=torch.float64)[:, None] * _inv_freq(base, dim)
         have = _tables[(base, dim)] = (angle.cos().float(), angle.sin().float())
     return have
 

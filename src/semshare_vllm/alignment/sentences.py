@@ -3,9 +3,10 @@
 Both prompts are cut into sentences at tokens that end one (".", "!", "?", a newline; found once
 per tokenizer by decoding the vocabulary). Each sentence gets a vector: the mean of its tokens'
 input embeddings with what all tokens share removed (the vocabulary's mean and top principal
-directions, ``EmbeddingTable.common_directions``; else all sentences look alike), normalised. A target sentence that the earlier stages
-left mostly unaligned is paired with its most similar donor sentence, anywhere in the donor
-(moved and reworded sentences), and the pair is edit-aligned token by token.
+directions, ``EmbeddingTable.common_directions``; else all sentences look alike), normalised.
+A target sentence that the earlier stages left mostly unaligned is paired with its most similar
+donor sentence, anywhere in the donor (moved and reworded sentences), and the pair is
+edit-aligned token by token.
 """
 
 from __future__ import annotations
