@@ -134,3 +134,23 @@ def test_bad_config_stops_startup_naming_the_key(model, tmp_path):
     log = srv.log_text()
     assert "SemShareConfigError" in log
     assert "unknown key 'host_store_byte'" in log and "host_store_bytes" in log
+
+
+def test_serve_reaches_the_model_and_recomputes(model, cold, tmp_path, monkeypatch):
+    """In `vllm serve`'s own worker process, the plugin hook hands the loaded model to the
+    connector: with recompute_policy "all", a hit's loaded tokens are recomputed through it
+    (counted), and the answer is still vLLM's own."""
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "512MiB",
+                                                    "recompute_policy": "all"})
+    with VllmServer(model, cfg, ARGS, tmp_path / "recompute.log") as srv:
+        srv.complete(DOCS["kept"] + Q1)
+        hit = srv.complete(DOCS["kept"] + Q2)
+        assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
+        assert hit.text == cold["kept"]
+        wait_for_stat(srv, "recomputed_tokens", hit.cached_tokens)
+        stats = srv.connector_stats()
+        log = srv.log_text()
+    assert stats["recomputed_tokens"] == hit.cached_tokens
+    assert "recompute_failures" not in stats and "recompute_unavailable_tokens" not in stats
+    assert "selective recompute is off" not in log

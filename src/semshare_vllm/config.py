@@ -126,6 +126,40 @@ class SemShareConfig:
         "whole up to 64M elements, a 256-dim random projection beyond; 0 = always whole; n = a "
         "projection to n dims.", minimum=-1)
 
+    # ---- selective recompute ------------------------------------------------------------------
+    recompute_policy: str = _knob(
+        "cacheblend", "Which loaded tokens are recomputed through the model after their donor KV "
+        "is written, for approximate (semantic) loads: \"cacheblend\" (every loaded token up "
+        "to recompute_check_layer, then the recompute_ratio with the highest K/V deviation), "
+        "\"semsharekv\" (layer 0 in full, then hot / cold tokens by attention recovery, a "
+        "budget decaying with depth), \"all\" (every loaded token, exact loads included: the "
+        "output equals a cold run and nothing is saved; checks the hook and runner in a "
+        "deployment), \"none\".", choices=("none", "all", "cacheblend", "semsharekv"))
+    recompute_ratio: float = _knob(
+        0.15, "CacheBlend: share of the loaded tokens recomputed after the check layer.",
+        minimum=0.0, maximum=1.0)
+    recompute_check_layer: int = _knob(
+        1, "CacheBlend: the layer (0-based) up to which every loaded token is recomputed and "
+        "where deviations are measured.", minimum=0)
+    recompute_run_head: int = _knob(
+        4, "Always recomputed: this many first tokens of every aligned run (they attended to "
+        "other tokens in the donor).", minimum=0)
+    recompute_tail: int = _knob(
+        8, "Always recomputed: this many last loaded tokens.", minimum=0)
+    semsharekv_hot_threshold: float = _knob(
+        0.55, "SemShareKV: share of the last tokens' attention that the hot tokens hold "
+        "(attention recovery).", minimum=0.0, maximum=1.0)
+    semsharekv_hot_ratio: float = _knob(
+        0.5, "SemShareKV: share of the hot tokens recomputed (highest deviation first).",
+        minimum=0.0, maximum=1.0)
+    semsharekv_cold_ratio: float = _knob(
+        0.1, "SemShareKV: share of the cold tokens recomputed.", minimum=0.0, maximum=1.0)
+    semsharekv_layer_decay: float = _knob(
+        0.9, "SemShareKV: the recompute budget is multiplied by this per layer after layer 0 "
+        "(the paper's constant is unpublished).", minimum=0.0, maximum=1.0)
+    semsharekv_window: int = _knob(
+        32, "SemShareKV: how many last tokens' attention defines hot tokens.", minimum=1)
+
     def __post_init__(self):
         # Checks across keys (one key's range alone cannot say it).
         stages = [x.strip() for x in self.align_stages.split(",") if x.strip()]

@@ -45,6 +45,12 @@ class LoadSpec:
     dst_start: int
     num_tokens: int
     block_ids: list[int]
+    # Repair after the copy (``recompute_policy``): "none" (the KV is exact), else the policy
+    # the worker runs over the loaded range, the positions it must always recompute, and the
+    # request's token ids from position 0 to the end of the loaded range.
+    policy: str = "none"
+    always: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """``vllm.general_plugins`` entry point: vLLM calls ``register()`` in every process it starts.
 
 It registers the connector by name, so ``{"kv_connector": "SemShareConnector"}`` works without
-``kv_connector_module_path``. It must stay cheap and never raise: a plugin error would stop vLLM.
+``kv_connector_module_path``, and installs the model hook (``recompute/model_hook.py``) that lets
+the worker reach the loaded model. It must stay cheap and never raise: a plugin error would stop
+vLLM.
 """
 
 from __future__ import annotations
@@ -20,3 +22,6 @@ def register() -> None:
                 "SemShareConnector", "semshare_vllm.connector", "SemShareConnector")
     except Exception:  # an incompatible vLLM: the module path still works
         logger.warning("SemShare: could not register the connector by name", exc_info=True)
+    from semshare_vllm.recompute import model_hook
+
+    model_hook.install()

