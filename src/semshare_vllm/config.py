@@ -126,6 +126,11 @@ class SemShareConfig:
         "whole up to 64M elements, a 256-dim random projection beyond; 0 = always whole; n = a "
         "projection to n dims.", minimum=-1)
 
+    min_alignment_coverage: float = _knob(
+        0.5, "Semantic hits: smallest share of the claimable tokens aligned to the same token "
+        "of the donor for the donor's KV to be used (the rest is recomputed).",
+        minimum=0.0, maximum=1.0)
+
     # ---- selective recompute ------------------------------------------------------------------
     recompute_policy: str = _knob(
         "cacheblend", "Which loaded tokens are recomputed through the model after their donor KV "

@@ -22,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from semshare_vllm.alignment import AlignParams
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.service import build_discovery
 from semshare_vllm.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
+from semshare_vllm.planner import Aligner
 from semshare_vllm.scheduler import SemShareScheduler
-from semshare_vllm.stats import SemShareStats
+from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
 from semshare_vllm.worker import SemShareWorker
 
 logger = logging.getLogger("vllm.semshare")
@@ -53,7 +55,10 @@ class SemShareConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             discovery = None if geometry.unsupported else build_discovery(
                 self.config, vllm_config.model_config.tokenizer)
-            self.scheduler = SemShareScheduler(self.config, geometry, discovery)
+            aligner = None if discovery is None else Aligner(
+                AlignParams.from_config(self.config), vllm_config.model_config.model,
+                vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
+            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
             self.worker = SemShareWorker(self.config, geometry, vllm_config)
@@ -134,6 +139,10 @@ class SemShareConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return SemShareStats(data=dict(data)) if data is not None else SemShareStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return SemSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -51,6 +51,9 @@ class LoadSpec:
     policy: str = "none"
     always: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # Semantic loads: the donor position of each loaded position (-1: none), in place of the
+    # contiguous copy from ``src_start``. K is RoPE-corrected from donor to target positions.
+    donor_pos: list[int] | None = None
 
 
 @dataclass
@@ -69,10 +72,17 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
 
     bad_donors: list[DonorKey] = field(default_factory=list)
     capacity_bytes: int | None = None
+    # once, with the capacity: whether this worker can repair approximate KV (layer runner)
+    recompute_ready: bool | None = None
+    # (donor, measured deviation) of each semantic load repaired this step
+    deviations: list[tuple[DonorKey, float]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
         merged = list(self.bad_donors)
         merged.extend(k for k in other.bad_donors if k not in merged)
         caps = [c for c in (self.capacity_bytes, other.capacity_bytes) if c is not None]
-        return SemShareWorkerMetadata(merged, min(caps) if caps else None)
+        ready = [r for r in (self.recompute_ready, other.recompute_ready) if r is not None]
+        return SemShareWorkerMetadata(merged, min(caps) if caps else None,
+                                      all(ready) if ready else None,
+                                      self.deviations + other.deviations)

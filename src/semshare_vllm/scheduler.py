@@ -17,6 +17,7 @@ its KV into the host store and reported the request in ``finished_sending``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from concurrent.futures import Future
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from semshare_vllm import donor_file
+from semshare_vllm.alignment import Alignment
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.service import DiscoveryService, Lookup
 from semshare_vllm.discovery.snapshot import SnapshotEntry, load_snapshot, write_snapshot
@@ -44,9 +46,31 @@ from semshare_vllm.metadata import (
     SemShareWorkerMetadata,
 )
 from semshare_vllm.eviction import make_policy
+from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.scheduler")
+
+_WAIT = object()   # "ask again next step": the request's alignment is still running
+
+# Per-request control, from the OpenAI request body's "kv_transfer_params": {"semshare": mode}.
+REUSE_MODES = ("auto", "off", "exact", "semantic")
+_bad_modes_logged: set[str] = set()
+
+
+def reuse_mode(request) -> str:
+    """"auto" (the config decides), "off" (no reuse, and the request is not kept as a donor),
+    "exact" (exact-prefix reuse only), "semantic" (a semantic donor is used whatever its
+    alignment coverage, as long as the worker can repair it)."""
+    params = getattr(request, "kv_transfer_params", None)
+    mode = params.get("semshare", "auto") if isinstance(params, dict) else "auto"
+    if mode not in REUSE_MODES:
+        if str(mode) not in _bad_modes_logged:
+            _bad_modes_logged.add(str(mode))
+            logger.warning("SemShare: kv_transfer_params semshare=%r is not one of %s; using "
+                           "\"auto\"", mode, ", ".join(REUSE_MODES))
+        return "auto"
+    return mode
 
 # How often (at most) the donors' embeddings are written beside their KV files.
 SNAPSHOT_INTERVAL_S = 30.0
@@ -75,7 +99,7 @@ class _PendingLookup:
 
 class SemShareScheduler:
     def __init__(self, config: SemShareConfig, geometry: KVGeometry,
-                 discovery: DiscoveryService | None = None):
+                 discovery: DiscoveryService | None = None, aligner: Aligner | None = None):
         self.config = config
         self.geometry = geometry
         self.stats = StatsRecorder()
@@ -89,7 +113,15 @@ class SemShareScheduler:
         self._lookups: dict[str, _PendingLookup] = {}
         self._snapshot_dirty = False
         self._snapshot_at = time.monotonic()
-        self._matches: dict[str, PrefixMatch] = {}     # req_id -> match offered this step
+        self.aligner = aligner if self.discovery is not None else None
+        # req_id -> (alignment job on the discovery thread, when it started)
+        self._aligning: dict[str, tuple[Future, float]] = {}
+        self._aligned: dict[str, tuple[DonorKey, Alignment]] = {}  # req_id -> chosen donor
+        self._approximate: set[str] = set()             # served from a semantic donor
+        self._salted: set[str] = set()                  # block hashes made request-only
+        self.recompute_ready = False                    # the worker said it can repair
+        # req_id -> match offered this step: an exact prefix, or a semantic plan
+        self._matches: dict[str, PrefixMatch | SemanticPlan] = {}
         self._loads: list[LoadSpec] = []
         self._captures: list[CaptureSpec] = []
         self._evictions: list[DonorKey] = []
@@ -118,6 +150,8 @@ class SemShareScheduler:
     def _start_lookup(self, request) -> None:
         d = self.discovery
         if d is None or d.failed or request.num_prompt_tokens < self.config.min_reuse_tokens:
+            return
+        if reuse_mode(request) in ("off", "exact"):
             return
         namespace = namespace_of(request)
         if d.index.size(namespace) == 0:
@@ -235,6 +269,12 @@ class SemShareScheduler:
         self._matches.pop(request.request_id, None)
         if self.geometry.unsupported:
             return 0, False
+        mode = reuse_mode(request)
+        if mode != "auto" and request.request_id not in self._looked_up:
+            self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
+        if mode == "off":
+            self._looked_up.add(request.request_id)
+            return 0, False
         if request.request_id not in self._looked_up:  # vLLM re-asks while it cannot schedule
             self._looked_up.add(request.request_id)
             self.stats.add("lookups")
@@ -246,10 +286,83 @@ class SemShareScheduler:
         if self._await_lookup(request, nothing_left=max(end, num_computed_tokens) >= limit):
             return None, False
         claim = end - num_computed_tokens
+        plan = self._semantic(request, num_computed_tokens, max(claim, 0))
+        if plan is _WAIT:
+            return None, False
+        if plan is not None:
+            self._make_request_only(request, plan.start)
+            self._matches[request.request_id] = plan
+            return plan.num_tokens, False
         if match is None or claim < max(self.config.min_reuse_tokens, 1):
             return 0, False
         self._matches[request.request_id] = PrefixMatch(match.key, end)
         return claim, False
+
+    # ---- semantic hits ------------------------------------------------------------------------
+    def _semantic(self, request, num_computed: int, exact_claim: int):
+        """A ``SemanticPlan`` for the request, ``_WAIT`` while its alignment runs, or None."""
+        rid = request.request_id
+        found = self.found.get(rid)
+        mode = reuse_mode(request)
+        if (found is None and rid not in self._aligning and rid not in self._aligned) or \
+                self.aligner is None or not self.recompute_ready or mode in ("off", "exact"):
+            return None
+        if rid not in self._aligned:
+            job = self._aligning.get(rid)
+            if job is None:
+                donors = [(c.key, list(self.index.get(c.key).token_ids))
+                          for c in found.candidates if self.index.get(c.key) is not None]
+                if not donors:
+                    return None
+                target = list(request.all_token_ids[:request.num_prompt_tokens])
+                aligner = self.aligner
+                job = (self.discovery.run(lambda: aligner.best(target, num_computed, donors)),
+                       time.monotonic())
+                self._aligning[rid] = job
+            future, started = job
+            if not future.done():
+                if time.monotonic() < started + self.config.lookup_deadline_ms / 1e3:
+                    return _WAIT
+                future.cancel()
+                del self._aligning[rid]
+                self.found.pop(rid, None)
+                self.stats.add("align_timeouts")
+                return None
+            del self._aligning[rid]
+            self.found.pop(rid, None)
+            if future.cancelled() or future.exception() is not None or future.result() is None:
+                return None
+            self._aligned[rid] = future.result()
+            self.stats.add("align_ms", (time.monotonic() - started) * 1e3)
+        key, al = self._aligned[rid]
+        record = self.index.get(key)
+        if record is None or record.demoted or key.namespace != namespace_of(request):
+            self._aligned.pop(rid, None)
+            return None
+        end = request.num_prompt_tokens - 1          # vLLM computes the last prompt token
+        if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
+            return None
+        if coverage(al, num_computed, end) < self.config.min_alignment_coverage and \
+                mode != "semantic":
+            return None
+        return plan_claim(key, al, num_computed, end, self.config.recompute_run_head,
+                          self.config.recompute_tail)
+
+    def _make_request_only(self, request, start: int) -> None:
+        """Keep approximate KV out of vLLM's exact prefix cache: from the first block we fill,
+        the request's block hashes are re-derived with a per-request salt, so the blocks vLLM
+        caches for it (right after allocation, before the load) can never be another request's
+        exact hit. Later hashes chain from these, so they stay request-only too."""
+        rid = request.request_id
+        hashes = getattr(request, "block_hashes", None)
+        if rid in self._salted or not hashes:
+            return
+        first = start // self.geometry.block_size
+        salt = rid.encode()
+        for i in range(first, len(hashes)):
+            hashes[i] = type(hashes[i])(hashlib.sha256(b"semshare-approx\0" + salt
+                                                       + bytes(hashes[i])).digest())
+        self._salted.add(rid)
 
     def _claim_limit(self, request) -> int:
         """vLLM must compute at least one token itself, and our claims end on a block boundary."""
@@ -259,6 +372,9 @@ class SemShareScheduler:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
+            return
+        if isinstance(match, SemanticPlan):
+            self._load_plan(request, blocks, match, num_external_tokens)
             return
         start = match.num_tokens - num_external_tokens
         end = start + num_external_tokens
@@ -276,6 +392,26 @@ class SemShareScheduler:
         self.stats.add("hits")
         self.stats.add("hit_tokens", num_external_tokens)
 
+    def _load_plan(self, request, blocks, plan: SemanticPlan, num_external_tokens: int) -> None:
+        if num_external_tokens != plan.num_tokens:  # vLLM took less than offered: stay exact
+            return
+        self._loads.append(LoadSpec(
+            req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
+            num_tokens=plan.num_tokens, block_ids=list(blocks.get_block_ids()[0]),
+            policy=self.config.recompute_policy, always=plan.always,
+            token_ids=list(request.all_token_ids[:plan.end]), donor_pos=plan.donor_pos))
+        self._approximate.add(request.request_id)
+        self._aligned.pop(request.request_id, None)
+        self.index.touch(plan.key)
+        record = self.index.get(plan.key)
+        if record is not None:
+            record.hits += 1
+        self.stats.add("hits")
+        self.stats.add("semantic_hits")
+        self.stats.add("hit_tokens", plan.num_tokens)
+        self.stats.add("exact_reused_tokens", plan.exact_tokens)
+        self.stats.add("fuzzy_reused_tokens", plan.fuzzy_tokens)
+
     def build_connector_meta(self, scheduler_output) -> SemShareConnectorMetadata:
         meta = SemShareConnectorMetadata(evictions=self._evictions, captures=self._captures,
                                          loads=self._loads)
@@ -289,6 +425,15 @@ class SemShareScheduler:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._looked_up.discard(request.request_id)
         self.found.pop(request.request_id, None)
+        self._aligned.pop(request.request_id, None)
+        self._salted.discard(request.request_id)
+        job = self._aligning.pop(request.request_id, None)
+        if job is not None:
+            job[0].cancel()
+        if request.request_id in self._approximate:
+            # Approximate KV never becomes a donor: error must not compound.
+            self._approximate.discard(request.request_id)
+            return False, None
         pending = self._lookups.pop(request.request_id, None)
         if pending is not None:
             pending.future.cancel()
@@ -306,7 +451,7 @@ class SemShareScheduler:
                              "once, counted in stats as fallbacks)", where)
 
     def _capture_on_finish(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        if not self.config.capture or self.geometry.unsupported:
+        if not self.config.capture or self.geometry.unsupported or reuse_mode(request) == "off":
             return False, None
         # The KV of the last token is never computed (it was just sampled); with async
         # scheduling num_computed_tokens may already count it.
@@ -342,6 +487,12 @@ class SemShareScheduler:
         for req_id in connector_output.finished_sending or ():
             self._capturing.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, SemShareWorkerMetadata) and meta.recompute_ready is not None:
+            self.recompute_ready = meta.recompute_ready
+        if isinstance(meta, SemShareWorkerMetadata):
+            for key, deviation in meta.deviations:   # feeds the "divergence" eviction policy
+                if key in self.index:
+                    self.report_deviation(key, min(1.0, deviation))
         if isinstance(meta, SemShareWorkerMetadata):
             if meta.capacity_bytes is not None:
                 self._evict(self.index.shrink(meta.capacity_bytes))

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 # Every counter, with what it counts. Scheduler-side first, then worker-side.
 COUNTERS: dict[str, str] = {
@@ -32,6 +35,11 @@ COUNTERS: dict[str, str] = {
     "donors_embedded": "donors made searchable (embedded off the scheduler thread)",
     "embed_ms": "milliseconds the discovery threads spent embedding (lookups and donors)",
     "discovery_faults": "discovery jobs that failed (the request went on without)",
+    "semantic_hits": "requests served from a semantic (aligned, not exact-prefix) donor",
+    "exact_reused_tokens": "of the semantic hits' claimed tokens, those given the same token's KV",
+    "fuzzy_reused_tokens": "of those, given another token's KV (always recomputed)",
+    "align_ms": "milliseconds from starting a request's alignment to its result",
+    "align_timeouts": "alignments not done by lookup_deadline_ms (request went on without)",
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
@@ -45,6 +53,11 @@ COUNTERS: dict[str, str] = {
                                     "(reported failed: vLLM computed them)",
     "recompute_failures": "recomputes that failed (vLLM computed those tokens instead)",
     "recompute_ms": "milliseconds spent recomputing loaded tokens",
+    "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
+                     "deviation of the loaded tokens at the policy's check layer)",
+    "deviation_count": "repaired semantic loads whose deviation was measured",
+    "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
+    "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",
 }
 
 
@@ -95,3 +108,24 @@ class StatsRecorder:
             return None
         out, self._interval = self._interval, SemShareStats()
         return out
+
+
+class SemSharePromMetrics(KVConnectorPromMetrics):
+    """Every counter as a Prometheus counter ``vllm:semshare_<name>`` (``_total`` appended by
+    the client), per engine, fed from the aggregated stats vLLM's frontend receives."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:semshare_{name}", documentation=doc,
+                                  labelnames=labelnames), per_engine_labelvalues)
+            for name, doc in COUNTERS.items()}
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value and value > 0:
+                per_engine[engine_idx].inc(value)

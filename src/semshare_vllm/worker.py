@@ -30,6 +30,7 @@ from semshare_vllm.kv_layout import (
     UnsupportedKVLayout,
     copy_blocks,
     copy_tokens,
+    slots_for,
     stack_layers,
 )
 from semshare_vllm.metadata import (
@@ -39,6 +40,7 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
+from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
 from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.recompute.policy import make_selection
@@ -59,6 +61,10 @@ class SemShareWorker:
         self.layout: PageLayout | None = None
         self.store: HostKVStore | None = None
         self.runner: LayerRunner | None = None  # selective recompute (recompute_policy)
+        self.rope: RopeTable | None = None
+        self.addressing: PageAddressing | None = None
+        self._ready_report: bool | None = None
+        self._deviations: list[tuple[DonorKey, float]] = []   # measured per semantic load
         self._closed = False
         self.disabled: str | None = geometry.unsupported
         self._finished_sending: set[str] = set()
@@ -98,6 +104,7 @@ class SemShareWorker:
                            "claims fail over to recompute): %s", self.disabled)
             return
         self._capacity_report = self.store.capacity_bytes
+        self._ready_report = self.runner is not None
 
     def _make_runner(self, kv_caches: dict[str, torch.Tensor]) -> LayerRunner | None:
         """The layer runner over the model the plugin hook recorded, when recompute is on. Any
@@ -111,7 +118,12 @@ class SemShareWorker:
                 raise UnsupportedModel(
                     "the plugin hook saw no model load (model runners wrapped: "
                     f"{', '.join(model_hook.installed()) or 'none'})")
-            return LayerRunner(model, kv_caches, self.layout)
+            runner = LayerRunner(model, kv_caches, self.layout)
+            # Semantic loads move donor rows to other positions: RoPE from the model's own
+            # rotary module, one address scheme for this engine's pages.
+            self.rope = RopeTable.from_vllm(model.model.layers[0].self_attn.rotary_emb)
+            self.addressing = PageAddressing.from_layout(self.layout, self.caches[0])
+            return runner
         except Exception as exc:
             logger.warning("SemShare: selective recompute is off on this worker: %s", exc)
             return None
@@ -207,12 +219,15 @@ class SemShareWorker:
             else:
                 donor_blocks = self.store.get(spec.key, self._capturing)
                 donor_tokens = len(donor_blocks) * self.geometry.block_size
-            if donor_tokens < spec.src_start + spec.num_tokens:
-                raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
-            for layers, stack in self.stacks:
-                src = stack if held is not None else self.store.pool[layers]
-                copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
-                            spec.dst_start, spec.num_tokens, self.layout)
+            if spec.donor_pos is not None:
+                self._move_aligned(spec, donor_blocks, donor_tokens, held is not None)
+            else:
+                if donor_tokens < spec.src_start + spec.num_tokens:
+                    raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+                for layers, stack in self.stacks:
+                    src = stack if held is not None else self.store.pool[layers]
+                    copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
+                                spec.dst_start, spec.num_tokens, self.layout)
         except Exception as exc:
             logger.warning("SemShare: loading donor %s for request %s failed (%s); "
                            "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
@@ -226,6 +241,33 @@ class SemShareWorker:
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
         if spec.policy != "none":
             self._recompute(spec)
+
+    def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
+                      from_cache: bool) -> None:
+        """Semantic load: each aligned position takes its donor row, K RoPE-corrected from the
+        donor's position to its own (``kernels.gather_rearrange``); unaligned positions are left
+        for the recompute, which redoes them in every layer."""
+        if self.runner is None or self.rope is None:
+            raise DonorUnavailable("no layer runner to repair a semantic load")
+        donor_pos = np.asarray(spec.donor_pos, dtype=np.int64)
+        aligned = np.flatnonzero(donor_pos >= 0)
+        if not len(aligned):
+            return
+        rows, src_rows = np.unique(donor_pos[aligned], return_inverse=True)
+        if rows[-1] >= donor_tokens:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the alignment")
+        bs = self.geometry.block_size
+        donor_slots = slots_for(donor_blocks, 0, int(rows[-1]) + 1, bs)[rows]
+        target_pos = spec.dst_start + aligned
+        dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens,
+                              bs)[target_pos]
+        src = torch.as_tensor(src_rows)
+        for layers, stack in self.stacks:
+            pages = stack if from_cache else self.store.pool[layers]
+            staged = torch.stack([torch.cat(self.layout.view(p).read(donor_slots), dim=-1)
+                                  for p in pages])          # [layers, rows, H, 2D]
+            gather_rearrange(staged, src, dst_slots, list(stack), self.addressing, self.rope,
+                             torch.as_tensor(rows)[src], torch.as_tensor(target_pos))
 
     def _invalidate(self, spec: LoadSpec) -> None:
         """Report the loaded range's blocks as failed: vLLM recomputes those tokens."""
@@ -251,6 +293,10 @@ class SemShareWorker:
             self._invalidate(spec)
             self.stats.add("recompute_failures")
             return
+        if spec.donor_pos is not None and selection.measured is not None:
+            self.stats.add("deviation_sum", selection.measured)
+            self.stats.add("deviation_count")
+            self._deviations.append((spec.key, selection.measured))
         self.stats.add("recomputed_tokens", max(result.per_layer, default=0))
         self.stats.add("recomputed_token_layers", sum(result.per_layer))
         self.stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
@@ -266,10 +312,12 @@ class SemShareWorker:
         return bad
 
     def build_worker_meta(self) -> SemShareWorkerMetadata | None:
-        if not self._bad_donors and self._capacity_report is None:
+        if not self._bad_donors and self._capacity_report is None and not self._deviations:
             return None
-        meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report)
-        self._bad_donors, self._capacity_report = [], None
+        meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report,
+                                      self._ready_report, self._deviations)
+        self._bad_donors, self._capacity_report, self._ready_report = [], None, None
+        self._deviations = []
         return meta
 
     def flush_captures(self) -> None:

@@ -120,6 +120,22 @@ class DiscoveryService:
         self._urgent.put(lambda: self._lookup(future, namespace, token_ids))
         return future
 
+    def run(self, job: Callable[[], object]) -> Future:
+        """Run ``job`` on the lookup thread (request-path work the scheduler must not do
+        itself, such as aligning a request to its candidate donors)."""
+        future: Future = Future()
+
+        def run_job():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(job())
+            except Exception as exc:
+                self._fault("job", exc)
+                future.set_exception(exc)
+        self._urgent.put(run_job)
+        return future
+
     def register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:
         self._background.put(lambda: self._register(key, serial, token_ids))
 

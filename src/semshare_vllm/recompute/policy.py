@@ -42,6 +42,9 @@ class Selection:
     """Base: start with ``start``; keep everyone unless a subclass says otherwise."""
 
     window = 0   # last tokens whose attention the probe sums (0: no attention probe)
+    # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
+    # policy's first measuring layer: what the load reports as this donor's quality.
+    measured: float | None = None
 
     def __init__(self, candidates: np.ndarray, always: np.ndarray | None = None):
         self.candidates = np.unique(np.asarray(candidates, dtype=np.int64))
@@ -58,6 +61,10 @@ class Selection:
     def after_layer(self, probe: LayerProbe) -> np.ndarray | None:
         """Indices into ``probe.positions`` that go on (sorted), or None for all."""
         return None
+
+    def _measure(self, probe: LayerProbe) -> None:
+        if self.measured is None and probe.deviation is not None and len(probe.deviation):
+            self.measured = float(np.sqrt(np.clip(probe.deviation, 0, None)).mean())
 
     def _keep_top(self, probe: LayerProbe, count: int,
                   among: np.ndarray | None = None) -> np.ndarray:
@@ -88,6 +95,7 @@ class CacheBlend(Selection):
     def after_layer(self, probe):
         if probe.layer != self.check_layer:
             return None
+        self._measure(probe)
         return self._keep_top(probe, int(round(self.ratio * len(self.candidates))))
 
 
@@ -105,6 +113,7 @@ class SemShareKV(Selection):
 
     def after_layer(self, probe):
         if probe.layer == 0:
+            self._measure(probe)
             hot = hot_positions(probe.attention, self.hot_threshold)
             is_hot = np.isin(probe.positions, hot)
             n_hot = int(round(self.hot_ratio * is_hot.sum()))

@@ -111,13 +111,15 @@ class VllmServer:
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16,
                  cache_salt: str | None = None, timeout_s: float = 600,
-                 ignore_eos: bool = True) -> Completion:
+                 ignore_eos: bool = True, kv_transfer_params: dict | None = None) -> Completion:
         """Greedy streaming completion; TTFT is measured client-side to the first text chunk."""
         body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
                 "stream_options": {"include_usage": True}}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         t0 = time.perf_counter()
         ttft, text, usage = None, [], {}
         with requests.post(self.url + "/v1/completions", json=body, stream=True,

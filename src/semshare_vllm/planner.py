@@ -1,0 +1,111 @@
+"""Semantic hits: align the candidate donors discovery found, pick one, plan the claim.
+
+``Aligner.best`` runs on the discovery thread (never the scheduler's): it aligns the request's
+tokens to each candidate donor's tokens (``alignment.align``) and returns the candidate whose
+alignment covers most of what the request could claim. ``plan_claim`` (scheduler thread) turns
+that into a ``SemanticPlan``: claim every position from vLLM's own prefix-cache hit up to the
+last prompt token (vLLM computes that one), with the donor position of each (-1: none) and the
+positions the recompute policy must always redo (``policy.always_recompute``). A plan is only
+made when the worker can repair (its layer runner is ready) and enough of the claim is aligned;
+otherwise the request is a miss for semantics (an exact prefix may still be served).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+
+from semshare_vllm.alignment import (AlignParams, Alignment, DonorFeatures, EmbeddingTable,
+                                     MatchKind, SentenceSplitter, align)
+from semshare_vllm.recompute.policy import always_recompute
+
+logger = logging.getLogger("vllm.semshare.planner")
+
+
+@dataclass
+class SemanticPlan:
+    key: Hashable
+    start: int                 # first claimed position (vLLM's own prefix-cache hit ends here)
+    end: int                   # one past the last claimed position
+    donor_pos: list[int]       # per claimed position: the donor position, or -1
+    always: list[int]          # claimed positions the recompute must redo in every layer
+    exact_tokens: int          # claimed positions taking the same token's KV
+    fuzzy_tokens: int          # claimed positions taking another token's KV (always redone)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class Aligner:
+    """What the alignment needs in the scheduler process (the input-embedding table, the
+    sentence splitter), loaded once, lazily, on the discovery thread."""
+
+    def __init__(self, params: AlignParams, model_path: str | None, tokenizer_path: str | None,
+                 sketch_dim: int = -1):
+        self.params = params
+        self._model_path, self._tokenizer_path, self._sketch = model_path, tokenizer_path, sketch_dim
+        self._loaded = False
+        self._lock = threading.Lock()
+        self.table: EmbeddingTable | None = None
+        self.splitter: SentenceSplitter | None = None
+
+    def _load(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            try:
+                if self._model_path:
+                    self.table = EmbeddingTable.load(self._model_path, self._sketch)
+            except Exception as exc:  # alignment goes on with the exact and edit stages
+                logger.warning("SemShare: no input embeddings for alignment (%s); the sentence "
+                               "and LSH stages are off", exc)
+            try:
+                if self._tokenizer_path:
+                    from transformers import AutoTokenizer
+
+                    tok = AutoTokenizer.from_pretrained(self._tokenizer_path)
+                    self.splitter = SentenceSplitter.from_tokenizer(tok)
+            except Exception as exc:
+                logger.warning("SemShare: no tokenizer for sentence units (%s)", exc)
+
+    def best(self, target: list[int], start: int,
+             donors: list[tuple[Hashable, list[int]]]) -> tuple[Hashable, Alignment] | None:
+        """The donor whose alignment covers most of ``target[start:-1]``."""
+        self._load()
+        best, best_cov = None, -1.0
+        for key, tokens in donors:
+            features = DonorFeatures(tokens, self.table, self.splitter, self.params.lsh)
+            al = align(target, features, self.params, self.table, self.splitter)
+            cov = coverage(al, start, len(target) - 1)
+            if cov > best_cov:
+                best, best_cov = (key, al), cov
+        return best
+
+
+def plan_claim(key: Hashable, al: Alignment, start: int, end: int, run_head: int,
+               tail: int) -> SemanticPlan:
+    """Claim ``[start, end)`` of the request from donor ``key`` aligned by ``al``."""
+    loaded = np.arange(start, end)
+    donor_pos = al.donor_pos[start:end]
+    same = al.kind == MatchKind.EXACT
+    run_starts = np.array([r.target_start for r in al.runs], dtype=np.int64)
+    always = always_recompute(loaded, al.donor_pos, same, run_starts, run_head, tail)
+    aligned = donor_pos >= 0
+    exact = int((aligned & same[start:end]).sum())
+    return SemanticPlan(key, start, end, donor_pos.tolist(), always.tolist(), exact,
+                        int(aligned.sum()) - exact)
+
+
+def coverage(al: Alignment, start: int, end: int) -> float:
+    """Share of ``[start, end)`` aligned to the same token (different tokens' KV is measured to
+    be no better than a random token's, so only same-token alignment counts as reuse)."""
+    if end <= start:
+        return 0.0
+    span = slice(start, end)
+    return float(((al.donor_pos[span] >= 0) & (al.kind[span] == MatchKind.EXACT)).mean())

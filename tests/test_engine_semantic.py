@@ -1,0 +1,126 @@
+"""Semantic hits end to end in a real vLLM engine (offline LLM, CPU, SmolLM2-135M, real text,
+vLLM's prefix caching ON): discovery finds the donor, alignment maps it, the worker moves its KV
+with RoPE correction and repairs it (CacheBlend), and the approximate blocks never become exact
+prefix-cache hits."""
+
+import pytest
+
+from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 8
+HEAD_A = "Read the article below and answer the question after it.\n\n"
+HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
+          "all of it before you answer, and answer in one short sentence.\n\n")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(models.smollm2())
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    def ids(text):
+        return tok(text)["input_ids"]
+
+    doc = wiki_document(700, 2000)
+    return {"a": ids(HEAD_A + doc + "\n\nQuestion: What is this article about? Answer:"),
+            "b": ids(HEAD_B + doc + "\n\nQuestion: Who or what is the subject? Answer:"),
+            "c": ids(wiki_document(900, 1500) + "\n\nSummary:")}
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return offline.reference_outputs(model, [prompts["b"]], MAX_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
+           "kv_connector_module_path": "semshare_vllm.connector",
+           "kv_connector_extra_config": {"host_store_bytes": "512MiB",
+                                         "lookup_deadline_ms": 20000}}
+    return offline.make_llm(model, cfg, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def sched(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+
+
+@pytest.fixture(scope="module")
+def worker(llm):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker
+
+
+def run(llm, prompt, salt=None):
+    p = {"prompt_token_ids": prompt}
+    if salt is not None:
+        p["cache_salt"] = salt
+    return offline.summarize(llm.generate([p], offline.greedy(MAX_TOKENS), use_tqdm=False))[0]
+
+
+def donor_ready(llm, sched, worker, filler):
+    """Let the last finished request be captured and embedded."""
+    run(llm, filler)                 # one more step starts the capture
+    worker.flush_captures()
+    sched.discovery.wait_idle()
+    run(llm, filler)                 # the scheduler takes the embeddings in
+    sched.discovery.wait_idle()
+
+
+def totals(sched, worker):
+    return {**sched.stats.totals, **worker.stats.totals}
+
+
+def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(llm, sched, worker, prompts,
+                                                                    reference):
+    run(llm, prompts["a"])
+    donor_ready(llm, sched, worker, prompts["c"])
+    assert sched.recompute_ready
+    before = totals(sched, worker)
+    out = run(llm, prompts["b"])
+    after = totals(sched, worker)
+    claimed = after["hit_tokens"] - before.get("hit_tokens", 0)
+    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
+    assert claimed >= 0.7 * len(prompts["b"])
+    assert after["recomputed_tokens"] > before.get("recomputed_tokens", 0)
+    assert after["recomputed_token_layers"] - before.get("recomputed_token_layers", 0) < \
+        0.6 * claimed * 30                      # CacheBlend: far from recomputing everything
+    assert out["token_ids"][0] == reference["token_ids"][0]
+
+    # The same prompt again: vLLM's prefix cache must not serve the approximate blocks as an
+    # exact hit. It is a semantic hit again (the approximate request was not made a donor).
+    again = run(llm, prompts["b"])
+    final = totals(sched, worker)
+    assert final["semantic_hits"] - after["semantic_hits"] == 1
+    assert final["hit_tokens"] - after["hit_tokens"] == claimed
+    assert again["num_cached_tokens"] == out["num_cached_tokens"]
+
+
+def test_prefix_caching_is_on_for_fully_computed_prompts(llm, sched, prompts):
+    """Control: a prompt vLLM computed itself is served from vLLM's own prefix cache."""
+    hits = sched.stats.totals.get("hit_tokens", 0)
+    run(llm, prompts["c"])
+    again = run(llm, prompts["c"])
+    assert again["num_cached_tokens"] >= 0.8 * len(prompts["c"])
+    assert sched.stats.totals.get("hit_tokens", 0) == hits   # vLLM's cache, not ours
+
+
+def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
+    hits = sched.stats.totals.get("semantic_hits", 0)
+    out = run(llm, prompts["b"], salt="tenant-b")
+    assert sched.stats.totals.get("semantic_hits", 0) == hits
+    assert out["num_cached_tokens"] == 0
