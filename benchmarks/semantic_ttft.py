@@ -1,0 +1,139 @@
+"""Semantic hits through `vllm serve`: client-side streaming TTFT, cold vs hit, and ROUGE-L of the
+hit's greedy output against the cold output of the same prompt; miss overhead on negatives.
+
+Cross-instruction pairs of real Wikipedia text at ``--sizes`` document tokens: the donor is the
+document under instruction A, the measured target the same document under a longer instruction B
+(no common prefix). Two servers run one after the other in this invocation, on the same prompts:
+no connector (cold), and SemShare (defaults: CacheBlend, r = 15%). On the SemShare server each
+donor is sent and embedded first; negatives (unrelated documents of the same size) are sent to
+both servers for the miss overhead (SemShare searches and aligns nothing useful, then computes).
+
+    .venv/bin/python benchmarks/semantic_ttft.py [--docs 3] [--sizes 512 1024 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rapidfuzz.distance import LCSseq
+
+from semshare_vllm.testbed import models
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.text import wiki_document
+
+HEAD_A = "Read the article below and answer the question after it.\n\n"
+HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
+          "all of it before you answer, and answer in one short sentence.\n\n")
+QUESTION = "\n\nQuestion: What is the article about? Answer:"
+LAYERS = 30
+RATIO = 0.15
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 over whitespace words (longest common subsequence)."""
+    c, r = candidate.split(), reference.split()
+    if not c or not r:
+        return float(c == r)
+    lcs = LCSseq.similarity(c, r)
+    if lcs == 0:
+        return 0.0
+    p, rec = lcs / len(c), lcs / len(r)
+    return 2 * p * rec / (p + rec)
+
+
+def prompts(tok, sizes, docs):
+    out = {}
+    for size in sizes:
+        for i in range(docs):
+            doc = tok.decode(tok(wiki_document(4000 + 97 * i + size, 8 * size),
+                                 add_special_tokens=False)["input_ids"][:size])
+            neg = tok.decode(tok(wiki_document(7000 + 97 * i + size, 8 * size),
+                                 add_special_tokens=False)["input_ids"][:size])
+            out[(size, i)] = {"donor": HEAD_A + doc + QUESTION, "target": HEAD_B + doc + QUESTION,
+                              "negative": neg + QUESTION}
+    return out
+
+
+def wait_embedded(srv, n, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if srv.connector_stats().get("donors_embedded", 0) >= n:
+            return
+        srv.complete("ping " * 3, max_tokens=1, kv_transfer_params={"semshare": "off"})
+        time.sleep(0.5)
+    raise TimeoutError("donors were not embedded")
+
+
+def run(name, model, kv, cases, max_tokens, workdir):
+    import os
+
+    os.environ["VLLM_LOG_STATS_INTERVAL"] = "1"
+    out = {}
+    with VllmServer(model, kv, ["--block-size", "32", "--enable-prompt-tokens-details"],
+                    workdir / f"{name}.log", max_model_len=4096) as srv:
+        srv.complete("Hello, world. " * 20, max_tokens=2)        # warm-up
+        if kv is not None:
+            for case in cases.values():
+                srv.complete(case["donor"], max_tokens=2)
+            wait_embedded(srv, len(cases))
+        for key, case in cases.items():
+            t = srv.complete(case["target"], max_tokens=max_tokens)
+            n = srv.complete(case["negative"], max_tokens=2)
+            out[key] = {"ttft": t.ttft_s, "text": t.text, "cached": t.cached_tokens or 0,
+                        "prompt": t.prompt_tokens or 0, "neg_ttft": n.ttft_s}
+        stats = srv.connector_stats()
+    return out, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--lookup-deadline-ms", type=int, default=None,
+                        help="the connector's lookup_deadline_ms (default: the config default)")
+    args = parser.parse_args()
+    model = str(models.smollm2())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    cases = prompts(tok, args.sizes, args.docs)
+    workdir = Path(tempfile.mkdtemp(prefix="semshare-semantic-"))
+    print(f"server logs: {workdir}", file=sys.stderr)
+    cold, _ = run("cold", model, None, cases, args.max_tokens, workdir)
+    kv = dict(SEMSHARE)
+    if args.lookup_deadline_ms is not None:
+        kv["kv_connector_extra_config"] = {"lookup_deadline_ms": args.lookup_deadline_ms}
+    hit, stats = run("semshare", model, kv, cases, args.max_tokens, workdir)
+
+    ceiling = LAYERS / (1.25 + 0.75 * RATIO + RATIO * (LAYERS - 2))
+    print(f"\n## Semantic hits through vllm serve (SmolLM2-135M, CPU; cross-instruction pairs, "
+          f"{args.docs} documents per size; medians; CacheBlend r = {RATIO:.0%}, ceiling "
+          f"{ceiling:.2f}x)")
+    print("| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | of ceiling | "
+          "reused | ROUGE-L(hit, cold) | miss overhead |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        keys = [k for k in cases if k[0] == size]
+        c = statistics.median(cold[k]["ttft"] for k in keys)
+        h = statistics.median(hit[k]["ttft"] for k in keys)
+        reused = statistics.median(hit[k]["cached"] / hit[k]["prompt"] for k in keys)
+        rouge = statistics.median(rouge_l(hit[k]["text"], cold[k]["text"]) for k in keys)
+        miss = statistics.median(hit[k]["neg_ttft"] / cold[k]["neg_ttft"] for k in keys)
+        print(f"| {size:,} | {statistics.median(hit[k]['prompt'] for k in keys):.0f} | "
+              f"{c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | {c / h / ceiling:.2f} | "
+              f"{reused:.2f} | {rouge:.2f} | {miss - 1:+.1%} |")
+    keys = ("semantic_hits", "hit_tokens", "exact_reused_tokens", "fuzzy_reused_tokens",
+            "recomputed_tokens", "recomputed_token_layers", "align_ms", "load_ms",
+            "recompute_ms", "deviation_sum", "deviation_count", "semantic_misses",
+            "lookup_timeouts", "align_timeouts", "lookup_wait_ms")
+    print("\nconnector totals: " + ", ".join(f"{k}={stats.get(k, 0):.3g}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
