@@ -40,6 +40,15 @@ class SemanticPlan:
     def num_tokens(self) -> int:
         return self.end - self.start
 
+    def truncated(self, num_tokens: int) -> "SemanticPlan":
+        """The plan's first ``num_tokens`` positions (vLLM may take less than offered), with the
+        new last position always recomputed; the token counts stay the full plan's."""
+        end = self.start + num_tokens
+        pos = np.asarray(self.donor_pos[:num_tokens])
+        return SemanticPlan(self.key, self.start, end, pos.tolist(),
+                            [p for p in self.always if p < end] + [end - 1],
+                            self.exact_tokens, self.fuzzy_tokens)
+
 
 class Aligner:
     """What the alignment needs in the scheduler process (the input-embedding table, the

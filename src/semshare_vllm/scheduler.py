@@ -393,8 +393,8 @@ class SemShareScheduler:
         self.stats.add("hit_tokens", num_external_tokens)
 
     def _load_plan(self, request, blocks, plan: SemanticPlan, num_external_tokens: int) -> None:
-        if num_external_tokens != plan.num_tokens:  # vLLM took less than offered: stay exact
-            return
+        if num_external_tokens < plan.num_tokens:  # vLLM took less than offered: load that
+            plan = plan.truncated(num_external_tokens)
         self._loads.append(LoadSpec(
             req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
             num_tokens=plan.num_tokens, block_ids=list(blocks.get_block_ids()[0]),

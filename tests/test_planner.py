@@ -1,0 +1,53 @@
+"""Semantic-hit planning without an engine: the donor choice, the claim plan, per-request
+control."""
+
+import types
+
+import numpy as np
+
+from semshare_vllm.alignment import AlignParams, align
+from semshare_vllm.planner import Aligner, coverage, plan_claim
+from semshare_vllm.scheduler import reuse_mode
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
+
+
+def test_aligner_picks_the_donor_covering_most_of_the_claim():
+    doc = tokens(300, 1)
+    target = tokens(20, 2) + doc + tokens(5, 3)
+    half = tokens(40, 4) + doc[:150] + tokens(150, 5)
+    whole = tokens(7, 6) + doc
+    aligner = Aligner(AlignParams(stages=("exact", "edit")), None, None)
+    key, al = aligner.best(target, 0, [("half", half), ("whole", whole), ("none", tokens(300, 7))])
+    assert key == "whole"
+    assert coverage(al, 0, len(target) - 1) > 0.9
+
+
+def test_plan_claims_the_span_and_always_redoes_what_cannot_be_right():
+    doc = tokens(200, 8)
+    donor = tokens(10, 9) + doc
+    target = tokens(30, 10) + doc + tokens(12, 11)
+    al = align(target, donor, AlignParams(stages=("exact",)))
+    plan = plan_claim("k", al, 0, len(target) - 1, run_head=4, tail=3)
+    assert (plan.start, plan.end) == (0, len(target) - 1)
+    assert plan.donor_pos[30:230] == list(range(10, 210))
+    assert plan.exact_tokens == 200 and plan.fuzzy_tokens == 0
+    always = set(plan.always)
+    assert set(range(30)) <= always                       # unaligned head
+    assert {30, 31, 32, 33} <= always and 34 not in always  # the run's first tokens
+    assert set(range(len(target) - 4, len(target) - 1)) <= always   # the tail
+    short = plan.truncated(100)
+    assert short.end == 100 and len(short.donor_pos) == 100 and max(short.always) == 99
+
+
+def test_reuse_mode_reads_kv_transfer_params():
+    req = types.SimpleNamespace(kv_transfer_params=None)
+    assert reuse_mode(req) == "auto"
+    for mode in ("off", "exact", "semantic", "auto"):
+        req.kv_transfer_params = {"semshare": mode}
+        assert reuse_mode(req) == mode
+    req.kv_transfer_params = {"semshare": "bogus"}
+    assert reuse_mode(req) == "auto"
+    assert reuse_mode(types.SimpleNamespace()) == "auto"
