@@ -51,3 +51,13 @@ def test_reuse_mode_reads_kv_transfer_params():
     req.kv_transfer_params = {"semshare": "bogus"}
     assert reuse_mode(req) == "auto"
     assert reuse_mode(types.SimpleNamespace()) == "auto"
+
+
+def test_aligner_keeps_donor_features_for_recent_donors():
+    aligner = Aligner(AlignParams(stages=("exact",)), None, None)
+    donor = tokens(100, 12)
+    first = aligner._features("d", donor)
+    assert aligner._features("d", donor) is first
+    for i in range(300):
+        aligner._features(f"other-{i}", donor)
+    assert aligner._features("d", donor) is not first      # evicted (LRU, 256 kept)

@@ -12,6 +12,7 @@ otherwise the request is a miss for semantics (an exact prefix may still be serv
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from semshare_vllm.alignment import (AlignParams, Alignment, DonorFeatures, Embe
 from semshare_vllm.recompute.policy import always_recompute
 
 logger = logging.getLogger("vllm.semshare.planner")
+
+KEPT_DONORS = 256   # donors whose alignment features the discovery thread keeps (LRU)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Aligner:
         self._lock = threading.Lock()
         self.table: EmbeddingTable | None = None
         self.splitter: SentenceSplitter | None = None
+        self._kept: collections.OrderedDict[Hashable, DonorFeatures] = collections.OrderedDict()
 
     def _load(self) -> None:
         with self._lock:
@@ -83,14 +87,26 @@ class Aligner:
             except Exception as exc:
                 logger.warning("SemShare: no tokenizer for sentence units (%s)", exc)
 
+    def _features(self, key: Hashable, tokens: list[int]) -> DonorFeatures:
+        """The donor's side of alignments (LSH codes, sentence vectors), kept for the most
+        recently used donors: a donor id is a hash of its tokens, so an entry never goes
+        stale."""
+        features = self._kept.pop(key, None)
+        if features is None:
+            features = DonorFeatures(tokens, self.table, self.splitter, self.params.lsh)
+        self._kept[key] = features
+        while len(self._kept) > KEPT_DONORS:
+            self._kept.popitem(last=False)
+        return features
+
     def best(self, target: list[int], start: int,
              donors: list[tuple[Hashable, list[int]]]) -> tuple[Hashable, Alignment] | None:
         """The donor whose alignment covers most of ``target[start:-1]``."""
         self._load()
         best, best_cov = None, -1.0
         for key, tokens in donors:
-            features = DonorFeatures(tokens, self.table, self.splitter, self.params.lsh)
-            al = align(target, features, self.params, self.table, self.splitter)
+            al = align(target, self._features(key, tokens), self.params, self.table,
+                       self.splitter)
             cov = coverage(al, start, len(target) - 1)
             if cov > best_cov:
                 best, best_cov = (key, al), cov
