@@ -146,3 +146,18 @@ def test_a_connector_fault_never_reaches_the_request():
     assert s.request_finished(broken, [1, 2, 3, 4]) == (False, None)
     assert s.stats.totals["fallbacks"] == 2
     assert [c.req_id for c in s.build_connector_meta(None).captures] == ["done"]  # not "x"
+
+
+def test_a_fault_after_vllm_took_the_claim_has_the_worker_report_the_blocks_failed():
+    """vLLM counts claimed tokens as loaded once it allocated for them: a fault while planning
+    the load must still reach the worker, as a load that reports its blocks failed."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    donor = list(range(200))
+    finish(s, donor)
+    target = request("t", donor[:150] + [1, 2, 3])
+    assert s.get_num_new_matched_tokens(target, 0) == (128, False)
+    s.index = None                                  # anything that makes our planning raise
+    s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 128)
+    load = s.build_connector_meta(None).loads[0]
+    assert load.policy == "fail" and (load.dst_start, load.num_tokens) == (0, 128)
+    assert s.stats.totals["fallbacks"] == 1

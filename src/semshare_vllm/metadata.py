@@ -47,7 +47,8 @@ class LoadSpec:
     block_ids: list[int]
     # Repair after the copy (``recompute_policy``): "none" (the KV is exact), else the policy
     # the worker runs over the loaded range, the positions it must always recompute, and the
-    # request's token ids from position 0 to the end of the loaded range.
+    # request's token ids from position 0 to the end of the loaded range. "fail": nothing to
+    # load (the scheduler faulted after vLLM took the claim): report the blocks failed.
     policy: str = "none"
     always: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

@@ -370,47 +370,52 @@ class SemShareScheduler:
         return ((request.num_tokens - 1) // bs) * bs
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            # vLLM now counts these tokens as loaded: the worker must report their blocks failed
+            # so that vLLM computes them; nothing else may come of a fault here.
+            self._fault("load planning")
+            if num_external_tokens:
+                self._loads.append(LoadSpec(
+                    req_id=request.request_id, key=DonorKey("", ""),
+                    src_start=0, dst_start=request.num_computed_tokens,
+                    num_tokens=num_external_tokens, block_ids=list(blocks.get_block_ids()[0]),
+                    policy="fail"))
+
+    def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
             return
+        block_ids = list(blocks.get_block_ids()[0])
         if isinstance(match, SemanticPlan):
-            self._load_plan(request, blocks, match, num_external_tokens)
-            return
-        start = match.num_tokens - num_external_tokens
-        end = start + num_external_tokens
-        spec = LoadSpec(
-            req_id=request.request_id, key=match.key, src_start=start, dst_start=start,
-            num_tokens=num_external_tokens, block_ids=list(blocks.get_block_ids()[0]))
-        if self.config.recompute_policy == "all":  # exact loads are repaired only in "all"
-            spec.policy = "all"
-            spec.token_ids = list(request.all_token_ids[:end])
-        self._loads.append(spec)
-        self.index.touch(match.key)
-        record = self.index.get(match.key)
+            plan = match if num_external_tokens >= match.num_tokens else \
+                match.truncated(num_external_tokens)     # vLLM took less than offered
+            spec = LoadSpec(
+                req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
+                num_tokens=plan.num_tokens, block_ids=block_ids,
+                policy=self.config.recompute_policy, always=plan.always,
+                token_ids=list(request.all_token_ids[:plan.end]), donor_pos=plan.donor_pos)
+            self._aligned.pop(request.request_id, None)
+            self.stats.add("semantic_hits")
+            self.stats.add("exact_reused_tokens", plan.exact_tokens)
+            self.stats.add("fuzzy_reused_tokens", plan.fuzzy_tokens)
+            self._approximate.add(request.request_id)
+        else:
+            start = match.num_tokens - num_external_tokens
+            spec = LoadSpec(
+                req_id=request.request_id, key=match.key, src_start=start, dst_start=start,
+                num_tokens=num_external_tokens, block_ids=block_ids)
+            if self.config.recompute_policy == "all":  # exact loads are repaired only in "all"
+                spec.policy = "all"
+                spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
+        self.index.touch(spec.key)
+        record = self.index.get(spec.key)
         if record is not None:
             record.hits += 1
         self.stats.add("hits")
-        self.stats.add("hit_tokens", num_external_tokens)
-
-    def _load_plan(self, request, blocks, plan: SemanticPlan, num_external_tokens: int) -> None:
-        if num_external_tokens < plan.num_tokens:  # vLLM took less than offered: load that
-            plan = plan.truncated(num_external_tokens)
-        self._loads.append(LoadSpec(
-            req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
-            num_tokens=plan.num_tokens, block_ids=list(blocks.get_block_ids()[0]),
-            policy=self.config.recompute_policy, always=plan.always,
-            token_ids=list(request.all_token_ids[:plan.end]), donor_pos=plan.donor_pos))
-        self._approximate.add(request.request_id)
-        self._aligned.pop(request.request_id, None)
-        self.index.touch(plan.key)
-        record = self.index.get(plan.key)
-        if record is not None:
-            record.hits += 1
-        self.stats.add("hits")
-        self.stats.add("semantic_hits")
-        self.stats.add("hit_tokens", plan.num_tokens)
-        self.stats.add("exact_reused_tokens", plan.exact_tokens)
-        self.stats.add("fuzzy_reused_tokens", plan.fuzzy_tokens)
+        self.stats.add("hit_tokens", spec.num_tokens)
+        self._loads.append(spec)     # last: a fault above leaves only the "fail" load
 
     def build_connector_meta(self, scheduler_output) -> SemShareConnectorMetadata:
         meta = SemShareConnectorMetadata(evictions=self._evictions, captures=self._captures,

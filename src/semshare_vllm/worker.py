@@ -209,6 +209,10 @@ class SemShareWorker:
             self._reap(wait_for=key)
 
     def _load(self, spec: LoadSpec) -> None:
+        if spec.policy == "fail":   # the scheduler could not plan this load: vLLM computes it
+            self._invalidate(spec)
+            self.stats.add("load_failures")
+            return
         t0 = time.perf_counter()
         try:
             if self.store is None:
