@@ -33,15 +33,23 @@ def prompts(tok):
     def ids(text):
         return tok(text)["input_ids"]
 
-    doc = wiki_document(700, 2000)
+    doc, gone = wiki_document(700, 2000), wiki_document(1100, 2000)
     return {"a": ids(HEAD_A + doc + "\n\nQuestion: What is this article about? Answer:"),
             "b": ids(HEAD_B + doc + "\n\nQuestion: Who or what is the subject? Answer:"),
-            "c": ids(wiki_document(900, 1500) + "\n\nSummary:")}
+            "c": ids(wiki_document(900, 1500) + "\n\nSummary:"),
+            "gone_a": ids(HEAD_A + gone + "\n\nQuestion: What is this article about? Answer:"),
+            "gone_b": ids(HEAD_B + gone + "\n\nQuestion: Who or what is the subject? Answer:")}
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts):
-    return offline.reference_outputs(model, [prompts["b"]], MAX_TOKENS)[0]
+def references(model, prompts):
+    outs = offline.reference_outputs(model, [prompts["b"], prompts["gone_b"]], MAX_TOKENS)
+    return {"b": outs[0], "gone_b": outs[1]}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["b"]
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +132,23 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
     out = run(llm, prompts["b"], salt="tenant-b")
     assert sched.stats.totals.get("semantic_hits", 0) == hits
     assert out["num_cached_tokens"] == 0
+
+
+def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(llm, sched, worker,
+                                                                       prompts, references):
+    from semshare_vllm.donor_index import donor_id_for
+    from semshare_vllm.metadata import DonorKey
+
+    out = run(llm, prompts["gone_a"])
+    key = DonorKey("", donor_id_for("", prompts["gone_a"] + out["token_ids"][:-1]))
+    donor_ready(llm, sched, worker, prompts["c"])
+    assert key in sched.index and key in worker.store
+    worker.store.drop(key)           # the worker lost it; the scheduler does not know yet
+    failures = worker.stats.totals.get("load_failures", 0)
+    hits = sched.stats.totals.get("semantic_hits", 0)
+    got = run(llm, prompts["gone_b"])
+    assert sched.stats.totals["semantic_hits"] == hits + 1       # planned and claimed...
+    assert worker.stats.totals["load_failures"] == failures + 1   # ...the load failed...
+    assert got["token_ids"] == references["gone_b"]["token_ids"]  # ...and vLLM computed it
+    run(llm, prompts["c"])                                         # the report comes back
+    assert key not in sched.index                                  # forgotten
