@@ -34,14 +34,10 @@ RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
 
 
 def engine():
-    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-           "kv_connector_module_path": "semshare_vllm.connector",
-           "kv_connector_extra_config": {"capture": False, "recompute_policy": "all",
-                                         "embedder": "none", "host_store_bytes": "64MiB"}}
-    llm = offline.make_llm(str(models.smollm2()), cfg)
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return llm, get_kv_transfer_group().worker
+    llm = offline.semshare_llm(str(models.smollm2()),
+                               {"capture": False, "recompute_policy": "all", "embedder": "none",
+                                "host_store_bytes": "64MiB"})
+    return llm, offline.connector_halves(llm)[1]
 
 
 def bench_for(worker, donor, target) -> BlendBench:

@@ -60,23 +60,16 @@ def reference(model, cases):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-           "kv_connector_module_path": "semshare_vllm.connector",
-           "kv_connector_extra_config": {"host_store_bytes": "512MiB",
-                                         "recompute_policy": "all"}}
-    return offline.make_llm(model, cfg)
+    return offline.semshare_llm(model, {"host_store_bytes": "512MiB", "recompute_policy": "all"})
 
 
 @pytest.fixture
 def worker(llm):
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group().worker
+    return offline.connector_halves(llm)[1]
 
 
 def run(llm, prompt):
-    return offline.summarize(llm.generate([{"prompt_token_ids": prompt}],
-                                          offline.greedy(MAX_TOKENS), use_tqdm=False))[0]
+    return offline.run(llm, prompt, MAX_TOKENS)
 
 
 def captured(llm, worker, cases, prompt):

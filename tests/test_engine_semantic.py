@@ -54,30 +54,22 @@ def reference(references):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-           "kv_connector_module_path": "semshare_vllm.connector",
-           "kv_connector_extra_config": {"host_store_bytes": "512MiB",
-                                         "lookup_deadline_ms": 20000}}
-    return offline.make_llm(model, cfg, enable_prefix_caching=True)
+    return offline.semshare_llm(model, {"host_store_bytes": "512MiB",
+                                        "lookup_deadline_ms": 20000}, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
 def sched(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    return offline.connector_halves(llm)[0]
 
 
 @pytest.fixture(scope="module")
 def worker(llm):
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group().worker
+    return offline.connector_halves(llm)[1]
 
 
 def run(llm, prompt, salt=None):
-    p = {"prompt_token_ids": prompt}
-    if salt is not None:
-        p["cache_salt"] = salt
-    return offline.summarize(llm.generate([p], offline.greedy(MAX_TOKENS), use_tqdm=False))[0]
+    return offline.run(llm, prompt, MAX_TOKENS, salt)
 
 
 def donor_ready(llm, sched, worker, filler):

@@ -29,6 +29,29 @@ def make_llm(model: str, kv_transfer_config: dict | None = None, **kwargs):
     return LLM(**args)
 
 
+def semshare_llm(model: str, extra_config: dict, **kwargs):
+    """``make_llm`` with the SemShare connector and ``extra_config`` as its config."""
+    return make_llm(model, {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
+                            "kv_connector_module_path": "semshare_vllm.connector",
+                            "kv_connector_extra_config": extra_config}, **kwargs)
+
+
+def connector_halves(llm):
+    """(scheduler half, worker half) of an in-process engine's SemShare connector."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return (llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler,
+            get_kv_transfer_group().worker)
+
+
+def run(llm, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict[str, Any]:
+    """One greedy request (token ids), summarised like ``summarize``."""
+    p: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        p["cache_salt"] = salt
+    return summarize(llm.generate([p], greedy(max_tokens), use_tqdm=False))[0]
+
+
 def greedy(max_tokens: int, logprobs: int | None = 1):
     from vllm import SamplingParams
 
