@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from semshare_vllm.alignment.exact_runs import align_exact
 from semshare_vllm.alignment.lsh import lsh_similarity
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.models import smollm2
+from semshare_vllm.testbed.timing import median_ms
 from semshare_vllm.testbed.text import wiki_extracts
 
 
@@ -64,16 +64,6 @@ def reworded_prompt_pair(tok, n_tokens: int, level: float = 0.1,
     return tok(edited)["input_ids"][:n_tokens], tok(text)["input_ids"][:n_tokens]
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm: lazy imports, cached tables
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def speed(tok, table, splitter, repeats: int) -> None:
     full = AlignParams()
     paper = AlignParams(stages=("lsh",), lsh=full.lsh)
@@ -88,11 +78,11 @@ def speed(tok, table, splitter, repeats: int) -> None:
             al = align(t, d, full, table, splitter)
             kept = DonorFeatures(d, table, splitter, full.lsh).warm()
             row = [
-                _median_ms(lambda: align_exact(t, d), repeats),
-                _median_ms(lambda: align(t, d, full, table, splitter), repeats),
-                _median_ms(lambda: align(t, kept, full, table, splitter), repeats),
-                _median_ms(lambda: align(t, d, paper, table), repeats),
-                _median_ms(lambda: align(t, kept, paper, table), repeats),
+                median_ms(lambda: align_exact(t, d), repeats),
+                median_ms(lambda: align(t, d, full, table, splitter), repeats),
+                median_ms(lambda: align(t, kept, full, table, splitter), repeats),
+                median_ms(lambda: align(t, d, paper, table), repeats),
+                median_ms(lambda: align(t, kept, paper, table), repeats),
             ]
             print(f"| {n:,} | {name} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | "
                   f"{al.exact_coverage:.3f} / {al.coverage:.3f} | {row[3]:.2f} | {row[4]:.2f} | "

@@ -28,17 +28,8 @@ import numpy as np
 from semshare_vllm.discovery.embedder import make_embedder
 from semshare_vllm.discovery.vector_index import VectorIndex
 from semshare_vllm.testbed import models
+from semshare_vllm.testbed.timing import median_ms
 from semshare_vllm.testbed.text import wiki_document
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def embedding_latency(runners: list[str], lengths: list[int], repeats: int, device: str) -> None:
