@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from semshare_vllm.alignment import AlignParams, align
-from semshare_vllm.alignment.result import MatchKind
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
 from semshare_vllm.kv_layout import PageLayout, read_range, slots_for
 from semshare_vllm.recompute.layer_runner import LayerRunner
-from semshare_vllm.recompute.policy import Selection, always_recompute
+from semshare_vllm.planner import plan_claim
+from semshare_vllm.recompute.policy import Selection
 
 
 @dataclass
@@ -84,11 +84,9 @@ class BlendBench:
         return {name: c.clone() for name, c in self.caches.items()}
 
     def always(self, run_head: int = 4, tail: int = 8) -> np.ndarray:
-        al = self.alignment
-        same = al.kind == MatchKind.EXACT
-        starts = np.array([r.target_start for r in al.runs], dtype=np.int64)
-        return always_recompute(np.arange(len(self.target) - 1), al.donor_pos, same, starts,
-                                run_head, tail)
+        """What the connector would always recompute when claiming all but the last token."""
+        plan = plan_claim(None, self.alignment, 0, len(self.target) - 1, run_head, tail)
+        return np.asarray(plan.always, dtype=np.int64)
 
     def evaluate(self, name: str, selection: Selection) -> Outcome:
         """Repair a fresh copy of the blend under ``selection`` (whose candidates should include
