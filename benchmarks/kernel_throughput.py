@@ -17,6 +17,7 @@ Source rows are shuffled (donor tokens land at other positions); target blocks a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
 from semshare_vllm.kv_layout import PageLayout
+from semshare_vllm.testbed import rope_tables
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,12 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_size: int
-    rope_theta: float
+    rope_table: str  # the name of its angle table in testbed.rope_tables
     block_size: int = 16
 
 
-SMOLLM2_135M = ModelShape("SmolLM2-135M", 30, 3, 64, 100000.0)
-QWEN25_7B = ModelShape("Qwen2.5-7B", 28, 4, 128, 1000000.0)
+SMOLLM2_135M = ModelShape("SmolLM2-135M", 30, 3, 64, "smollm2")
+QWEN25_7B = ModelShape("Qwen2.5-7B", 28, 4, 128, "qwen25_7b")
 
 
 @dataclass
@@ -65,13 +67,13 @@ class Case:
 
 
 def rope_table(shape: ModelShape, max_position: int) -> RopeTable:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(shape.head_size, max_position,
-                        rope_parameters={"rope_theta": shape.rope_theta}, dtype=torch.float32)
-    return RopeTable.from_vllm(rope)
+    """vLLM's table for the shape (saved ones where ``$SEMSHARE_TEST_ROPE_TABLES`` names a file:
+    see ``semshare_vllm.testbed.rope_tables``, for a GPU machine without vLLM)."""
+    table = rope_tables.tables([shape.rope_table])[shape.rope_table]
+    if table.max_position < max_position:
+        raise SystemExit(f"{shape.name}: rope table has {table.max_position} positions, "
+                         f"{max_position} needed")
+    return table
 
 
 def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayout,
@@ -145,15 +147,18 @@ def cpu_suite(args) -> None:
 
 
 def gpu_row(shape: ModelShape, tokens: int, layout: PageLayout, table: RopeTable, args,
-            device: str) -> list:
+            device: str, offset_tables: bool = False) -> list:
     case = build_case(shape, tokens, torch.bfloat16, layout, table, device)
+    if offset_tables:  # the packed pages addressed through the generic [N, D] tables
+        case.addressing = dataclasses.replace(case.addressing, token_stride=None,
+                                              channel_stride=None)
     seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
     want = [torch.zeros_like(c) for c in case.caches]
     case.move("torch", want)
     exact = all(torch.equal(w, c) for w, c in zip(want, case.caches))
     worst = max((w.float() - c.float()).abs().max().item() for w, c in zip(want, case.caches))
     gbps = case.bytes_moved / seconds / 1e9
-    return [tokens, f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
+    return ["tables" if offset_tables else "computed", tokens, f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
             f"{100 * gbps / args.peak_gbps:.1f}%",
             "bit-exact" if exact else f"max abs diff {worst:.3g}"]
 
@@ -165,14 +170,16 @@ def gpu_suite(args, device: str = "cuda") -> None:
     layout = PageLayout("FLASH_ATTN", shape.head_size)
     rows = []
     for tokens in args.gpu_tokens:
-        rows.append(gpu_row(shape, tokens, layout, table, args, device))
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for offset_tables in (False, True):
+            rows.append(gpu_row(shape, tokens, layout, table, args, device, offset_tables))
+            if device == "cuda":
+                torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"### Triton kernel, {shape.name} cache ({shape.layers} layers, {shape.kv_heads} "
           f"KV heads, head {shape.head_size}, bf16, packed), {name}, "
           f"peak {args.peak_gbps:.0f} GB/s\n")
-    print_table(["tokens", "MiB moved", "ms (median)", "GB/s", "% of peak", "vs reference"],
+    print_table(["page offsets", "tokens", "MiB moved", "ms (median)", "GB/s", "% of peak",
+                 "vs reference"],
                 rows)
 
 

@@ -1,6 +1,7 @@
-"""The Triton kernels against their torch references, run by the Triton interpreter on CPU:
-bit-exact in fp32, within one rounding step in bf16 / fp16 (the interpreter truncates
-fp32 -> bf16 where torch and GPUs round to nearest even).
+"""The Triton kernels against their torch references: compiled on a CUDA device when there is
+one (a lent GPU: ``TRITON_INTERPRET=0``, tables from ``testbed.rope_tables``), else run by the
+Triton interpreter on CPU tensors. Either way bit-exact in fp32, within one rounding step in
+bf16 / fp16 (the interpreter truncates fp32 -> bf16 where torch and GPUs round to nearest even).
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates, so it cannot be switched on inside a
 running process that lacks it: there this file re-runs itself in a subprocess with it set.
@@ -14,7 +15,12 @@ import sys
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+# On a CUDA machine (a lent GPU) the kernels run compiled, on the device, and TRITON_INTERPRET
+# must be 0 there; elsewhere they run under the interpreter on CPU tensors.
+ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
     def test_triton_kernels_under_interpreter():
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__],
@@ -29,31 +35,16 @@ else:
         gather_rearrange_reference,
     )
     from semshare_vllm.kernels.page_addressing import PageAddressing
-    from semshare_vllm.kernels.rope import RopeTable, correct_rope, rope_correct_reference
+    from semshare_vllm.kernels.rope import correct_rope, rope_correct_reference
     from semshare_vllm.kv_layout import PageLayout
 
-    MAX_POS = 1024
-    # name -> (head_size, is_neox_style, rope_parameters)
-    TABLES = {
-        "neox": (64, True, None),
-        "gptj": (64, False, None),
-        "partial": (64, True, {"rope_type": "default", "partial_rotary_factor": 0.5}),
-        "partial_gptj": (64, False, {"rope_type": "default", "partial_rotary_factor": 0.25}),
-        "yarn": (64, True, {"rope_type": "yarn", "factor": 4.0,
-                            "original_max_position_embeddings": 256}),
-        "neox_head80": (80, True, None),  # head size not a power of two: masked dims
-    }
+    TABLES = ["neox", "gptj", "partial", "partial_gptj", "yarn", "neox_head80"]
 
     @pytest.fixture(scope="module")
     def tables():
-        from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.model_executor.layers.rotary_embedding import get_rope
+        from semshare_vllm.testbed import rope_tables
 
-        with set_current_vllm_config(VllmConfig()):
-            return {name: RopeTable.from_vllm(get_rope(head, MAX_POS, is_neox_style=neox,
-                                                       rope_parameters=params,
-                                                       dtype=torch.float32))
-                    for name, (head, neox, params) in TABLES.items()}
+        return {name: t.to(DEVICE) for name, t in rope_tables.tables(TABLES).items()}
 
     def steps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
         """Largest distance between a and b in representable values of their 16-bit dtype."""
@@ -74,7 +65,7 @@ else:
         src = torch.randint(0, limit, (count,), generator=g)
         dst = torch.randint(0, limit, (count,), generator=g)
         dst[::4] = src[::4]
-        return src, dst
+        return src.to(DEVICE), dst.to(DEVICE)
 
     @pytest.mark.parametrize("name", sorted(TABLES))
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -82,7 +73,7 @@ else:
         table = tables[name]
         g = torch.Generator().manual_seed(1)
         # a strided view: heads of a [T, H + 1, D] buffer
-        k = torch.randn(70, 4, table.head_size, generator=g).to(dtype)[:, 1:]
+        k = torch.randn(70, 4, table.head_size, generator=g).to(DEVICE, dtype)[:, 1:]
         src, dst = positions(70, table.max_position, seed=2)
         want = rope_correct_reference(k, src, dst, table)
         got = correct_rope(k, src, dst, table, impl="triton")
@@ -98,31 +89,35 @@ else:
     def caches_for(kind, arrangement, dtype, head):
         size = B * H * N * 2 * head
         if arrangement == "uniform":
-            flat = torch.zeros(L * size, dtype=dtype)
+            flat = torch.zeros(L * size, dtype=dtype, device=DEVICE)
             storages = [flat[i * size:(i + 1) * size] for i in range(L)]
         else:
-            storages = [torch.zeros(size, dtype=dtype) for _ in range(L)]
+            storages = [torch.zeros(size, dtype=dtype, device=DEVICE) for _ in range(L)]
         if kind == "packed_token_major":
             caches = [s.view(B, N, H, 2 * head).permute(0, 2, 1, 3) for s in storages]
         else:
             caches = [s.view(B, H, N, 2 * head) for s in storages]
         if kind.startswith("packed"):
-            return caches, PageAddressing.packed(caches[0])
+            return caches, PageAddressing.packed(caches[0]).to(DEVICE)
         if kind == "cpu_vec":
             return caches, PageAddressing.from_layout(PageLayout("CPU_ATTN", head, "vec"),
-                                                      caches[0])
+                                                      caches[0]).to(DEVICE)
         g = torch.Generator().manual_seed(7)
         k_pos = torch.randperm(N * head, generator=g).view(N, head)
         v_pos = torch.randperm(N * head, generator=g).view(N, head)
-        return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos)
+        return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos).to(DEVICE)
 
-    @pytest.mark.parametrize("kind, arrangement", [
-        ("packed", "uniform"), ("packed_token_major", "separate"), ("cpu_vec", "uniform"),
-        ("cpu_permuted", "separate")])
+    # cpu_vec pages are calibrated with vLLM's CPU ops: not on a GPU machine (cpu_permuted
+    # exercises the same table addressing there).
+    KINDS = [("packed", "uniform"), ("packed_token_major", "separate"),
+             ("cpu_permuted", "separate")] + ([] if ON_CUDA else [("cpu_vec", "uniform")])
+
+    @pytest.mark.parametrize("kind, arrangement", KINDS)
     @pytest.mark.parametrize("src_dtype, cache_dtype", [
         (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
-    @pytest.mark.parametrize("rope", [None, "neox", "partial_gptj", "yarn", "neox_head80"])
+    @pytest.mark.parametrize("rope", [None, "neox", "partial", "partial_gptj", "yarn",
+                                      "neox_head80"])
     def test_gather_kernel_matches_reference(tables, monkeypatch, kind, arrangement, src_dtype,
                                              cache_dtype, rope):
         table = tables[rope] if rope else None
@@ -132,10 +127,11 @@ else:
         monkeypatch.setattr(triton_gather, "stack_layers",
                             lambda caches: launches.append(stack(caches)) or launches[-1])
         g = torch.Generator().manual_seed(3)
-        src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(src_dtype).transpose(0, 1)
+        src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(DEVICE, src_dtype).transpose(0, 1)
         rows = torch.randint(0, T_SRC, (M,), generator=g)
         rows[1] = rows[0]
         slots = torch.randperm(B * N, generator=g)[:M]
+        rows, slots = rows.to(DEVICE), slots.to(DEVICE)
         src_pos, dst_pos = positions(M, table.max_position if table else 1, seed=4)
         want, addressing = caches_for(kind, arrangement, cache_dtype, head)
         got, _ = caches_for(kind, arrangement, cache_dtype, head)
