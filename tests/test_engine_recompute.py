@@ -192,6 +192,19 @@ def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases)
     assert hidden[-1] < 1e-4 and errors[-1].logit_error < 1e-3 and errors[-1].same_top1
     assert all(a >= b - 1e-6 for a, b in zip(hidden, hidden[1:])), hidden
     assert hidden[0] > 10 * hidden[-1]
+    # The check layer probes K/V of all, then runs attention and MLP for the kept only: the
+    # same repair as running the check layer in full for everyone, at a fraction of the cost.
+    class CheckLayerInFull(CacheBlend):
+        def narrows_at(self, layer):
+            return False
+
+    probed = bench.evaluate("probe first", CacheBlend(every, always, 0.15, check_layer=0))
+    probed_kv = {k: c.clone() for k, c in bench.caches.items()}
+    full = bench.evaluate("in full", CheckLayerInFull(every, always, 0.15, check_layer=0))
+    assert probed.recomputed == full.recomputed
+    assert abs(probed.hidden_error - full.hidden_error) < 1e-4
+    for k, c in bench.caches.items():
+        torch.testing.assert_close(probed_kv[k], c, atol=1e-4, rtol=1e-4)
     # SemShareKV's schedule runs and recomputes less in deeper layers
     sem = bench.evaluate("semsharekv", SemShareKV(every, always))
     assert 0 < sem.recomputed < 1 and np.isfinite(sem.hidden_error)

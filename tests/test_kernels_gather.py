@@ -4,7 +4,11 @@ token at a time through ``kv_layout``'s views, for packed and CPU_ATTN pages."""
 import pytest
 import torch
 
-from semshare_vllm.kernels.gather_rearrange import gather_rearrange, gather_rearrange_reference
+from semshare_vllm.kernels.gather_rearrange import (
+    gather_rearrange,
+    gather_rearrange_reference,
+    stage_rows,
+)
 from semshare_vllm.kernels.page_addressing import PageAddressing
 from semshare_vllm.kernels.rope import RopeTable, rope_correct_reference
 from semshare_vllm.kv_layout import (
@@ -124,6 +128,27 @@ def test_reference_equals_slow_token_by_token(kind, src_dtype, cache_dtype, rope
         plain, _, _ = target(kind, cache_dtype, arrangement)
         gather_rearrange_reference(src, rows, slots, plain, addressing)
         assert not torch.equal(plain[0], fast[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arrangement", ["uniform", "irregular"])
+def test_stage_rows_reads_what_the_views_read(kind, arrangement):
+    caches, addressing, views = target(kind, torch.bfloat16, arrangement)
+    g = torch.Generator().manual_seed(5)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
+    slots = torch.randperm(B * N, generator=g)[:M]
+    staged = stage_rows(caches, slots, addressing)
+    assert staged.shape == (L, M, H, 2 * D) and staged.dtype == torch.bfloat16
+    for layer, view in enumerate(views):
+        k, v = view.read(slots)
+        assert torch.equal(staged[layer], torch.cat((k, v), dim=-1))
+    # a pool of another size with the same pages (the host store's) is read alike
+    pool = torch.empty_strided((B + 2, H, N, 2 * D), caches[0].stride(), dtype=torch.bfloat16)
+    pool[:B] = caches[0]
+    assert torch.equal(stage_rows([pool], slots, addressing)[0], staged[0])
+    with pytest.raises(ValueError):
+        stage_rows([caches[0][:, :1]], slots, addressing)
 
 
 def test_cpu_vec_addressing_is_k_transposed():

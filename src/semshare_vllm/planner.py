@@ -1,5 +1,7 @@
 """Semantic hits: align the candidate donors discovery found, pick one, plan the claim.
 
+``Aligner.warm`` (at start-up) and ``Aligner.prepare`` (per new donor) run on the discovery
+service's background thread, so that a hit pays for the target's side of the alignment only.
 ``Aligner.best`` runs on the discovery thread (never the scheduler's): it aligns the request's
 tokens to each candidate donor's tokens (``alignment.align``) and returns the candidate whose
 alignment covers most of what the request could claim. ``plan_claim`` (scheduler thread) turns
@@ -62,13 +64,14 @@ class Aligner:
         self.params = params
         self._model_path, self._tokenizer_path, self._sketch = model_path, tokenizer_path, sketch_dim
         self._loaded = False
-        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()   # the table loads once, whichever thread asks first
+        self._lock = threading.Lock()        # guards _kept
         self.table: EmbeddingTable | None = None
         self.splitter: SentenceSplitter | None = None
         self._kept: collections.OrderedDict[Hashable, DonorFeatures] = collections.OrderedDict()
 
     def _load(self) -> None:
-        with self._lock:
+        with self._load_lock:
             if self._loaded:
                 return
             self._loaded = True
@@ -87,16 +90,34 @@ class Aligner:
             except Exception as exc:
                 logger.warning("SemShare: no tokenizer for sentence units (%s)", exc)
 
-    def _features(self, key: Hashable, tokens: list[int]) -> DonorFeatures:
+    def warm(self) -> None:
+        """Load the table and splitter and run one small alignment through every stage, so that
+        the first hit pays for none of it (background thread, at start-up)."""
+        self._load()
+        text = np.arange(1000, 1200, dtype=np.int64)
+        align(np.concatenate([text[100:], text[:100]]), text, self.params, self.table,
+              self.splitter)
+
+    def prepare(self, key: Hashable, tokens: list[int]) -> None:
+        """Compute a new donor's features ahead of its first hit (background thread)."""
+        self._load()
+        self._features(key, tokens, compute=True)
+
+    def _features(self, key: Hashable, tokens: list[int],
+                  compute: bool = False) -> DonorFeatures:
         """The donor's side of alignments (LSH codes, sentence vectors), kept for the most
         recently used donors: a donor id is a hash of its tokens, so an entry never goes
-        stale."""
-        features = self._kept.pop(key, None)
+        stale. Used from the lookup and the background thread."""
+        with self._lock:
+            features = self._kept.pop(key, None)
         if features is None:
             features = DonorFeatures(tokens, self.table, self.splitter, self.params.lsh)
-        self._kept[key] = features
-        while len(self._kept) > KEPT_DONORS:
-            self._kept.popitem(last=False)
+            if compute:
+                features.warm()
+        with self._lock:
+            self._kept[key] = features
+            while len(self._kept) > KEPT_DONORS:
+                self._kept.popitem(last=False)
         return features
 
     def best(self, target: list[int], start: int,

@@ -114,6 +114,8 @@ class SemShareScheduler:
         self._snapshot_dirty = False
         self._snapshot_at = time.monotonic()
         self.aligner = aligner if self.discovery is not None else None
+        if self.aligner is not None:
+            self.discovery.run_background(self.aligner.warm)
         # req_id -> (alignment job on the discovery thread, when it started)
         self._aligning: dict[str, tuple[Future, float]] = {}
         self._aligned: dict[str, tuple[DonorKey, Alignment]] = {}  # req_id -> chosen donor
@@ -515,6 +517,9 @@ class SemShareScheduler:
     def _embed_later(self, record: DonorRecord) -> None:
         if self.discovery is not None and record.serial and record.key in self.index:
             self.discovery.register(record.key, record.serial, record.prompt_token_ids)
+            if self.aligner is not None:
+                aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
+                self.discovery.run_background(lambda: aligner.prepare(key, tokens))
 
     # ---- persistence --------------------------------------------------------------------------
     def _restore(self, root: Path) -> None:

@@ -40,7 +40,7 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
-from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
+from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange, stage_rows
 from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.recompute.policy import make_selection
@@ -268,8 +268,7 @@ class SemShareWorker:
         src = torch.as_tensor(src_rows)
         for layers, stack in self.stacks:
             pages = stack if from_cache else self.store.pool[layers]
-            staged = torch.stack([torch.cat(self.layout.view(p).read(donor_slots), dim=-1)
-                                  for p in pages])          # [layers, rows, H, 2D]
+            staged = stage_rows(pages, donor_slots, self.addressing)  # [layers, rows, H, 2D]
             gather_rearrange(staged, src, dst_slots, list(stack), self.addressing, self.rope,
                              torch.as_tensor(rows)[src], torch.as_tensor(target_pos))
 

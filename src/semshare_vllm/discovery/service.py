@@ -7,6 +7,7 @@ The scheduler half hands work over and picks results up; it never blocks here:
   on their own thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
   until the scheduler thread attaches it to the catalog (which owns every mutation).
+* ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
 * ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
 Registrations and snapshots run on a second thread at a lower CPU priority (nice +10): nothing
@@ -123,17 +124,29 @@ class DiscoveryService:
     def run(self, job: Callable[[], object]) -> Future:
         """Run ``job`` on the lookup thread (request-path work the scheduler must not do
         itself, such as aligning a request to its candidate donors)."""
+        return self._put(self._urgent, job)
+
+    def run_background(self, job: Callable[[], object]) -> Future:
+        """Run ``job`` on the background thread, after the donors queued for embedding (work
+        nothing waits for, such as a donor's alignment features); dropped once registrations
+        stop."""
+        return self._put(self._background, job, while_registering=True)
+
+    def _put(self, thread: _JobThread, job: Callable[[], object],
+             while_registering: bool = False) -> Future:
         future: Future = Future()
 
         def run_job():
-            if not future.set_running_or_notify_cancel():
+            if (while_registering and not self._registering) or \
+                    not future.set_running_or_notify_cancel():
+                future.cancel()
                 return
             try:
                 future.set_result(job())
             except Exception as exc:
                 self._fault("job", exc)
                 future.set_exception(exc)
-        self._urgent.put(run_job)
+        thread.put(run_job)
         return future
 
     def register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:

@@ -8,14 +8,15 @@ Public entries:
 * ``PageAddressing`` (``.packed``, ``.cpu_pages``, ``.from_layout``) and
   ``gather_rearrange(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)``:
   gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
-  (``gather_rearrange_reference`` is the torch version).
+  (``gather_rearrange_reference`` is the torch version); ``stage_rows(pages, slots,
+  addressing)`` reads rows out of paged KV into that staging form.
 
 The dispatchers run Triton on CUDA tensors, torch otherwise (``impl="torch"`` / ``"triton"``
 forces one; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``, as in the tests). Triton is
 imported only when used.
 """
 
-from .gather_rearrange import gather_rearrange, gather_rearrange_reference
+from .gather_rearrange import gather_rearrange, gather_rearrange_reference, stage_rows
 from .page_addressing import PageAddressing
 from .rope import RopeTable, UnsupportedRope, correct_rope, rope_correct_reference
 
@@ -27,4 +28,5 @@ __all__ = [
     "gather_rearrange",
     "gather_rearrange_reference",
     "rope_correct_reference",
+    "stage_rows",
 ]

@@ -98,3 +98,24 @@ def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch
         table, src_pos, dst_pos = table.to(device), src_pos.to(device), dst_pos.to(device)
     gather_rearrange_triton(src, src_rows.to(device), dst_slots.to(device), caches,
                             addressing.to(device), table, src_pos, dst_pos)
+
+
+def stage_rows(pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
+               addressing: PageAddressing) -> torch.Tensor:
+    """The K|V rows at ``slots`` of every layer's pages, as ``gather_rearrange``'s staging
+    tensor ``[L, M, H, 2*D]`` (the inverse of its scatter, without the rotation): one element
+    gather per layer through the same addressing (2x faster on CPU than reading K and V
+    apart and concatenating)."""
+    pages = list(pages)
+    if not pages:
+        raise ValueError("no layers to stage")
+    index = addressing.to(pages[0].device).flat_indices(slots).view(-1)
+    out = torch.empty((len(pages), slots.shape[0], addressing.num_heads,
+                       2 * addressing.head_size), dtype=pages[0].dtype, device=pages[0].device)
+    for layer, page in enumerate(pages):
+        # any number of blocks (a host pool's, a cache's), the same pages
+        if tuple(page.shape[1:]) != addressing.shape[1:] or \
+                tuple(page.stride()) != addressing.strides:
+            raise ValueError("a page tensor's page shape/strides differ from the addressing's")
+        torch.index_select(_flat(page), 0, index, out=out[layer].view(-1))
+    return out

@@ -58,16 +58,33 @@ class _Layer:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """Causal attention of queries at positions ``q_pos`` over keys at positions 0..n-1.
-    q ``[S, Hq, D]``, k / v ``[n, Hkv, D]`` -> ``[S, Hq, D]`` (fp32 softmax via SDPA)."""
-    n = k.shape[0]
-    if q.shape[0] == n and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1:
-        mask, causal = None, True    # every position: the plain causal kernel (2x faster on CPU)
-    else:
-        mask, causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None], False
+    """Causal attention of queries at sorted positions ``q_pos`` over keys at positions
+    0..n-1. q ``[S, Hq, D]``, k / v ``[n, Hkv, D]`` -> ``[S, Hq, D]`` (fp32 softmax via SDPA)."""
+    n, s = k.shape[0], q.shape[0]
+    if s == n and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1:
+        return _sdpa(q, k, v, None, scale)   # every position: the plain causal kernel
+    # Scattered queries need a mask, and a masked kernel skips no key blocks: in chunks of
+    # consecutive queries, each chunk reads only the keys up to its last position (about half
+    # the work; 2.2x faster than one masked call for 15% of 2K positions on CPU).
+    out = torch.empty_like(q)
+    chunks = max(1, min(ATTEND_CHUNKS, s // ATTEND_MIN_CHUNK))
+    bounds = [s * i // chunks for i in range(chunks + 1)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        pos = q_pos[lo:hi]
+        m = int(pos[-1]) + 1
+        mask = torch.arange(m, device=q.device)[None, :] <= pos[:, None]
+        out[lo:hi] = _sdpa(q[lo:hi], k[:m], v[:m], mask, scale)
+    return out
+
+
+ATTEND_CHUNKS = 8
+ATTEND_MIN_CHUNK = 32
+
+
+def _sdpa(q, k, v, mask, scale):
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
+        v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=mask is None,
         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
 
@@ -77,11 +94,13 @@ class _RecomputeAttention(torch.nn.Module):
     what the selection asked for (``probe``) on the way."""
 
     def __init__(self, layer: _Layer, block_ids: list[int], positions: torch.Tensor,
-                 slots: torch.Tensor, context: int, want_deviation: bool, tail: int):
+                 slots: torch.Tensor, context: int, want_deviation: bool, tail: int,
+                 probe_only: bool = False):
         super().__init__()
         self.layer, self.block_ids, self.positions = layer, block_ids, positions
         self.slots, self.context = slots, context
         self.want_deviation, self.tail = want_deviation, tail
+        self.probe_only = probe_only
         self.deviation: torch.Tensor | None = None
         self.attention: torch.Tensor | None = None
 
@@ -98,19 +117,29 @@ class _RecomputeAttention(torch.nn.Module):
                 (v32 - v_old.float()).square().sum((1, 2))
             self.deviation = diff / (k32.square().sum((1, 2)) + v32.square().sum((1, 2))
                                      ).clamp_min(1e-12)
-        kernel = lay.cpu_isa is not None and _is_tail(self.positions, self.context)
+        kernel = lay.cpu_isa is not None and _is_tail(self.positions, self.context) and \
+            not self.probe_only
         if kernel:   # vLLM's own CPU cache write and prefill attention, on the paged cache
             out = _cpu_attention(lay, q, k, v, self.slots, self.block_ids, self.context)
         else:
             lay.view.write(self.slots, k, v)
+        if self.probe_only and not self.tail:
+            raise _Probed
         if self.tail or not kernel:
             k_all, v_all = read_range(lay.view, self.block_ids, 0, self.context)
             if self.tail:
                 self.attention = tail_attention(q, k_all, self.positions,
                                                 self.context - self.tail, lay.scale)
+            if self.probe_only:
+                raise _Probed
             if not kernel:
                 out = attend(q, k_all, v_all, self.positions, lay.scale)
         return out.reshape(s, lay.num_heads * lay.head_size)
+
+
+class _Probed(Exception):
+    """Ends a probe pass once its K/V are written and measured (the layer's attention output,
+    o_proj and MLP are not needed for the positions the selection is about to drop)."""
 
 
 def _is_tail(positions: torch.Tensor, context: int) -> bool:
@@ -228,11 +257,20 @@ class LayerRunner:
         counts = []
         for index, lay in enumerate(self.layers):
             want_dev, want_attn = selection.wants_probe(index)
+            probe_first = selection.narrows_at(index) and (want_dev or want_attn)
             stand_in = _RecomputeAttention(lay, block_ids, pos, all_slots[pos], context,
-                                           want_dev, selection.window if want_attn else 0)
-            with _standing_in(lay.holder, stand_in):
-                hidden, residual = lay.module(pos, hidden, residual)
+                                           want_dev, selection.window if want_attn else 0,
+                                           probe_only=probe_first)
             counts.append(len(pos_np))
+            if probe_first:
+                # Every position's K/V first (norm + qkv only; the layer mutates its inputs in
+                # place, hence the copies), then the full layer for those the selection keeps.
+                with _standing_in(lay.holder, stand_in), contextlib.suppress(_Probed):
+                    lay.module(pos, hidden.clone(),
+                               None if residual is None else residual.clone())
+            else:
+                with _standing_in(lay.holder, stand_in):
+                    hidden, residual = lay.module(pos, hidden, residual)
             probe = LayerProbe(index, pos_np,
                                None if stand_in.deviation is None
                                else stand_in.deviation.cpu().numpy(),
@@ -242,7 +280,13 @@ class LayerRunner:
             if keep is not None and len(keep) < len(pos_np):
                 pos_np = pos_np[keep]
                 keep_t = torch.as_tensor(keep, device=self.device)
-                pos, hidden, residual = pos[keep_t], hidden[keep_t], residual[keep_t]
+                pos, hidden = pos[keep_t], hidden[keep_t]
+                residual = None if residual is None else residual[keep_t]
+            if probe_first:
+                stand_in = _RecomputeAttention(lay, block_ids, pos, all_slots[pos], context,
+                                               False, 0)
+                with _standing_in(lay.holder, stand_in):
+                    hidden, residual = lay.module(pos, hidden, residual)
         final = None
         if final_hidden:
             final, _ = self.norm(hidden, residual)

@@ -4,7 +4,9 @@ The layer runner asks a ``Selection`` which positions to start with, and after e
 it what that layer measured (``LayerProbe``: each recomputed position's deviation between its
 fresh K/V and the donor K/V it replaces, and on request how much attention the prompt's last
 tokens pay to every position); the selection answers which positions go on to the next layer.
-A position dropped after layer l keeps its fresh KV in layers <= l and the donor's above.
+A position dropped after layer l keeps its fresh KV in layers <= l and the donor's above. Where a
+layer narrows the set sharply (``narrows_at``), the runner computes every position's K/V there
+first and the layer's attention and MLP only for the positions kept.
 
 * ``Fixed``: the same positions in every layer (``recompute_policy="all"``: every loaded one).
 * ``CacheBlend`` (Yao et al., EuroSys'25): every loaded position up to and including the check
@@ -62,6 +64,12 @@ class Selection:
         """Indices into ``probe.positions`` that go on (sorted), or None for all."""
         return None
 
+    def narrows_at(self, layer: int) -> bool:
+        """Whether ``layer``'s probe drops most positions: the runner then probes (K/V of every
+        position) before running the layer's attention and MLP for the kept ones only (CacheBlend's
+        "K/V of all, the rest for the selected" check layer)."""
+        return False
+
     def _measure(self, probe: LayerProbe) -> None:
         if self.measured is None and probe.deviation is not None and len(probe.deviation):
             self.measured = float(np.sqrt(np.clip(probe.deviation, 0, None)).mean())
@@ -92,6 +100,9 @@ class CacheBlend(Selection):
     def wants_probe(self, layer):
         return layer == self.check_layer, False
 
+    def narrows_at(self, layer):
+        return layer == self.check_layer
+
     def after_layer(self, probe):
         if probe.layer != self.check_layer:
             return None
@@ -110,6 +121,9 @@ class SemShareKV(Selection):
 
     def wants_probe(self, layer):
         return True, layer == 0
+
+    def narrows_at(self, layer):
+        return layer == 0
 
     def after_layer(self, probe):
         if probe.layer == 0:
