@@ -20,9 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rapidfuzz.distance import LCSseq
-
 from semshare_vllm.testbed import models
+from semshare_vllm.testbed.scoring import rouge_l
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 from semshare_vllm.testbed.text import wiki_document
 
@@ -32,18 +31,6 @@ HEAD_B = ("You are a careful assistant. The following text comes from an encyclo
 QUESTION = "\n\nQuestion: What is the article about? Answer:"
 LAYERS = 30
 RATIO = 0.15
-
-
-def rouge_l(candidate: str, reference: str) -> float:
-    """ROUGE-L F1 over whitespace words (longest common subsequence)."""
-    c, r = candidate.split(), reference.split()
-    if not c or not r:
-        return float(c == r)
-    lcs = LCSseq.similarity(c, r)
-    if lcs == 0:
-        return 0.0
-    p, rec = lcs / len(c), lcs / len(r)
-    return 2 * p * rec / (p + rec)
 
 
 def prompts(tok, sizes, docs):

@@ -229,6 +229,30 @@ def passages(extracts: list[tuple[str, str]]) -> str:
                        enumerate(extracts, 1))
 
 
+# ---- questions with checkable answers -----------------------------------------------------------
+# Six encyclopedia extracts (by title) and questions whose answers they state. SmolLM2-135M,
+# computed cold, answers these four right in ``fact_prompt``'s form (of twelve tried, with the
+# question before and after the passages; it gets the other eight, and every question in a chat
+# template, wrong): a hit must give its own question's answer, not the donor's.
+FACT_TITLES = ("Candide", "Death of a Salesman", "Les Demoiselles d'Avignon", "Moby-Dick",
+               "Superman", "The Structure of Scientific Revolutions")
+FACT_QUESTIONS = (("Who wrote Candide?", "Voltaire"),
+                  ("Who wrote Death of a Salesman?", "Miller"),
+                  ("Who wrote Moby-Dick?", "Melville"),
+                  ("In what year did Death of a Salesman premiere?", "1949"))
+
+
+def fact_document() -> str:
+    by_title = dict(wiki_extracts())
+    return "\n\n".join(f"{title}\n{by_title[title]}" for title in FACT_TITLES)
+
+
+def fact_prompt(document: str, question: str) -> str:
+    """The question before the passages and again after them: another question moves every
+    passage token (no common prefix), so only a semantic hit can serve it."""
+    return f"Question: {question}\n\n{document}\n\nQuestion: {question}\nShort answer:"
+
+
 # ---- scenarios ---------------------------------------------------------------------------------
 def cross_instruction_pairs(n: int, sources: Sources) -> list[Pair]:
     rng = sources.rng
