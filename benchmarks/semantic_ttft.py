@@ -5,8 +5,9 @@ Cross-instruction pairs of real Wikipedia text at ``--sizes`` document tokens: t
 document under instruction A, the measured target the same document under a longer instruction B
 (no common prefix). Two servers run one after the other in this invocation, on the same prompts:
 no connector (cold), and SemShare (defaults: CacheBlend, r = 15%). On the SemShare server each
-donor is sent and embedded first; negatives (unrelated documents of the same size) are sent to
-both servers for the miss overhead (SemShare searches and aligns nothing useful, then computes).
+donor is sent and embedded first. Miss overhead: per case two unrelated documents of the same
+size, one searched by the connector and one opted out (``kv_transfer_params``), in alternating
+order on the SemShare server (same server, same time), and both against the cold server.
 
     .venv/bin/python benchmarks/semantic_ttft.py [--docs 3] [--sizes 512 1024 2048]
 """
@@ -39,10 +40,11 @@ def prompts(tok, sizes, docs):
         for i in range(docs):
             doc = tok.decode(tok(wiki_document(4000 + 97 * i + size, 8 * size),
                                  add_special_tokens=False)["input_ids"][:size])
-            neg = tok.decode(tok(wiki_document(7000 + 97 * i + size, 8 * size),
-                                 add_special_tokens=False)["input_ids"][:size])
+            neg, neg_off = (tok.decode(tok(wiki_document(start + 97 * i + size, 8 * size),
+                                           add_special_tokens=False)["input_ids"][:size])
+                            for start in (7000, 8500))
             out[(size, i)] = {"donor": HEAD_A + doc + QUESTION, "target": HEAD_B + doc + QUESTION,
-                              "negative": neg + QUESTION}
+                              "negative": neg + QUESTION, "negative_off": neg_off + QUESTION}
     return out
 
 
@@ -68,11 +70,17 @@ def run(name, model, kv, cases, max_tokens, workdir):
             for case in cases.values():
                 srv.complete(case["donor"], max_tokens=2)
             wait_embedded(srv, len(cases))
-        for key, case in cases.items():
+        for i, (key, case) in enumerate(cases.items()):
             t = srv.complete(case["target"], max_tokens=max_tokens)
-            n = srv.complete(case["negative"], max_tokens=2)
+            # two unrelated prompts, one with the connector searching and one opted out, in
+            # alternating order: the miss overhead measured on one server at one time
+            negatives = [("neg_ttft", case["negative"], None),
+                         ("neg_off_ttft", case["negative_off"], {"semshare": "off"})]
             out[key] = {"ttft": t.ttft_s, "text": t.text, "cached": t.cached_tokens or 0,
-                        "prompt": t.prompt_tokens or 0, "neg_ttft": n.ttft_s}
+                        "prompt": t.prompt_tokens or 0}
+            for name, prompt, params in negatives[::1 if i % 2 else -1]:
+                out[key][name] = srv.complete(prompt, max_tokens=2, kv_transfer_params=(
+                    params if kv is not None else None)).ttft_s
         stats = srv.connector_stats()
     return out, stats
 
@@ -103,22 +111,26 @@ def main() -> None:
           f"{args.docs} documents per size; medians; CacheBlend r = {RATIO:.0%}, ceiling "
           f"{ceiling:.2f}x)")
     print("| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | of ceiling | "
-          "reused | ROUGE-L(hit, cold) | miss overhead |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "reused | ROUGE-L(hit, cold) | miss overhead (vs opted out, same server) | "
+          "miss overhead (vs cold server) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         keys = [k for k in cases if k[0] == size]
         c = statistics.median(cold[k]["ttft"] for k in keys)
         h = statistics.median(hit[k]["ttft"] for k in keys)
         reused = statistics.median(hit[k]["cached"] / hit[k]["prompt"] for k in keys)
         rouge = statistics.median(rouge_l(hit[k]["text"], cold[k]["text"]) for k in keys)
+        same = statistics.median(hit[k]["neg_ttft"] for k in keys) / \
+            statistics.median(hit[k]["neg_off_ttft"] for k in keys)
         miss = statistics.median(hit[k]["neg_ttft"] / cold[k]["neg_ttft"] for k in keys)
         print(f"| {size:,} | {statistics.median(hit[k]['prompt'] for k in keys):.0f} | "
               f"{c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | {c / h / ceiling:.2f} | "
-              f"{reused:.2f} | {rouge:.2f} | {miss - 1:+.1%} |")
+              f"{reused:.2f} | {rouge:.2f} | {same - 1:+.1%} | {miss - 1:+.1%} |")
     keys = ("semantic_hits", "hit_tokens", "exact_reused_tokens", "fuzzy_reused_tokens",
             "recomputed_tokens", "recomputed_token_layers", "align_ms", "load_ms",
             "recompute_ms", "deviation_sum", "deviation_count", "semantic_misses",
-            "lookup_timeouts", "align_timeouts", "lookup_wait_ms")
+            "lookups_without_shared_grams", "lookup_timeouts", "align_timeouts",
+            "lookup_wait_ms")
     print("\nconnector totals: " + ", ".join(f"{k}={stats.get(k, 0):.3g}" for k in keys))
 
 

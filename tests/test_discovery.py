@@ -46,7 +46,8 @@ def scheduler(embedder=None, **cfg):
     service = DiscoveryService(lambda: embedder, lambda ids: " ".join(map(str, ids)),
                                VectorIndex(dim=VOCAB, kind="exact"), top_k=3,
                                threshold=cfg.pop("similarity_threshold", 0.6),
-                               embedder_id="bag-v1")
+                               embedder_id="bag-v1",
+                               min_shared_grams=cfg.pop("min_shared_grams", 0.0))
     config = SemShareConfig(**{"lookup_deadline_ms": 5000, **cfg})
     s = SemShareScheduler(config, geometry(), service)
     return s, embedder
@@ -168,6 +169,24 @@ def test_near_duplicates_need_no_embedding():
     s.on_new_request(target)
     ask(s, target)
     assert s.found["t"].candidates[0].method == "simhash" and emb.calls == calls
+
+
+def test_no_embedding_when_no_donor_shares_grams():
+    s, emb = scheduler(min_shared_grams=0.05)
+    finish(s, DOC)
+    settle(s)
+    calls = emb.calls
+    emb.gate.clear()                    # an embedding would block: the answer must not need one
+    unrelated = request("u", list(range(1000, 1200)))
+    s.on_new_request(unrelated)
+    assert ask(s, unrelated, timeout_s=2)[-1] == (0, False)
+    assert emb.calls == calls and "u" not in s.found
+    assert s.stats.totals["lookups_without_shared_grams"] == 1
+    emb.gate.set()
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])   # shares most grams: searched as usual
+    s.on_new_request(target)
+    ask(s, target)
+    assert emb.calls == calls + 1 and s.found["t"].candidates[0].method == "cosine"
 
 
 def test_embeddings_come_back_from_the_snapshot(tmp_path):

@@ -64,6 +64,11 @@ class SemShareConfig:
         minimum=-1.0, maximum=1.0)
     top_k: int = _knob(
         4, "Candidates returned by a donor search (best first).", minimum=1)
+    lookup_min_shared_grams: float = _knob(
+        0.05, "A donor search embeds the prompt only if some donor of its namespace shares at "
+        "least this share of its (sampled) token 4-grams; otherwise it is a miss at once. "
+        "Unrelated texts share under 2%, a text with half its words replaced 15%. 0: always "
+        "embed.", minimum=0.0, maximum=1.0)
     lookup_deadline_ms: int = _knob(
         200, "How long a new request may wait for its donor search (vLLM re-asks; the request "
         "is not scheduled meanwhile). Past it, the request proceeds without a semantic donor.",

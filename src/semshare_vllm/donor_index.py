@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from semshare_vllm.discovery.ngrams import sample_grams
 from semshare_vllm.eviction import EvictionPolicy
 from semshare_vllm.metadata import DonorKey
 
@@ -184,7 +185,8 @@ class DonorIndex:
             return False
         record.embedding, record.fingerprint = embedding, fingerprint
         if self.vectors is not None and not record.demoted:
-            self.vectors.add(key.namespace, key, embedding.vector, fingerprint)
+            self.vectors.add(key.namespace, key, embedding.vector, fingerprint,
+                             sample_grams(record.prompt_token_ids))
         return True
 
     def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:

@@ -196,6 +196,8 @@ class SemShareScheduler:
             return  # counted by the service as a discovery fault
         lookup: Lookup = future.result()
         self.stats.add("embed_ms", lookup.embed_ms)
+        if lookup.no_shared_grams:
+            self.stats.add("lookups_without_shared_grams")
         namespace = namespace_of(request)
         valid = []
         for c in lookup.candidates:  # re-check: the donor may have gone while we searched

@@ -29,6 +29,8 @@ COUNTERS: dict[str, str] = {
     "semantic_lookups": "requests whose semantic donor search was started",
     "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",
     "semantic_misses": "searches that finished and found none",
+    "lookups_without_shared_grams": "of those, answered at once: no donor shares enough token "
+                                    "4-grams to be aligned (lookup_min_shared_grams)",
     "lookup_timeouts": "searches not finished by lookup_deadline_ms (request went on without)",
     "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
     "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",

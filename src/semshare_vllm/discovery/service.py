@@ -3,7 +3,8 @@
 The scheduler half hands work over and picks results up; it never blocks here:
 
 * ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates
-  (no embedding needed), else detokenise -> embed -> cosine top-k in the namespace. Lookups run
+  (no embedding needed); else, if no donor shares enough token 4-grams to be aligned at all
+  (``ngrams.py``), nothing; else detokenise -> embed -> cosine top-k in the namespace. Lookups run
   on their own thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
   until the scheduler thread attaches it to the catalog (which owns every mutation).
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding, Embedder
+from semshare_vllm.discovery.ngrams import sample_grams
 from semshare_vllm.discovery.simhash import simhash
 from semshare_vllm.discovery.vector_index import Candidate, VectorIndex
 
@@ -47,6 +49,7 @@ class Lookup:
     embedding: DocumentEmbedding | None   # None when a near-duplicate made it unnecessary
     fingerprint: int
     embed_ms: float = 0.0
+    no_shared_grams: bool = False         # answered without embedding: no donor shares grams
 
 
 @dataclass
@@ -96,11 +99,13 @@ class _JobThread:
 
 class DiscoveryService:
     def __init__(self, make_embedder: Callable[[], Embedder], detokenize: Callable[[list], str],
-                 index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str):
+                 index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str,
+                 min_shared_grams: float = 0.0):
         self.index = index
         self.embedder_id = embedder_id   # what snapshots are tagged with
         self.top_k = top_k
         self.threshold = threshold
+        self.min_shared_grams = min_shared_grams
         self._make_embedder = make_embedder
         self._detokenize = detokenize
         self._embedder: Embedder | None = None
@@ -222,6 +227,12 @@ class DiscoveryService:
             if near:
                 future.set_result(Lookup(near[:self.top_k], None, fingerprint))
                 return
+            if self.min_shared_grams > 0:
+                share = self.index.best_share(namespace, sample_grams(token_ids))
+                if share is not None and share < self.min_shared_grams:
+                    # no donor could align enough same tokens: not worth an embedding
+                    future.set_result(Lookup([], None, fingerprint, no_shared_grams=True))
+                    return
             if self._ready_embedder() is None:
                 future.set_result(Lookup([], None, fingerprint))
                 return
@@ -288,4 +299,5 @@ def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | No
     return DiscoveryService(lambda: make_embedder(config.embedder, device=device),
                             hf_detokenizer(tokenizer_path), index, top_k=config.top_k,
                             threshold=config.similarity_threshold,
-                            embedder_id=embedder_id)
+                            embedder_id=embedder_id,
+                            min_shared_grams=config.lookup_min_shared_grams)

@@ -13,7 +13,8 @@ Search kinds (``index_kind`` in the config):
 
 FAISS tables stay on the CPU even with a GPU: donors leave one at a time, and FAISS's GPU indexes
 cannot remove entries. Every table also keeps the 64-bit SimHash of each donor, for the
-near-duplicate scan that needs no embedding.
+near-duplicate scan that needs no embedding, and its sampled token 4-grams (``ngrams``), for the
+test that any donor could serve a prompt at all.
 
 Thread-safety: one lock. The scheduler thread adds and removes (cheap), the discovery thread
 searches and builds FAISS tables (the slow training runs outside the lock).
@@ -28,6 +29,7 @@ from typing import Hashable
 
 import numpy as np
 
+from semshare_vllm.discovery.ngrams import GramTable
 from semshare_vllm.discovery.simhash import hamming
 
 logger = logging.getLogger("vllm.semshare.index")
@@ -53,6 +55,7 @@ class _Table:
         self.row_of: dict[Hashable, int] = {}
         self.key_of_id: dict[int, Hashable] = {}
         self.faiss = None                 # FAISS index over the same rows, once built
+        self.grams = GramTable()          # sampled token 4-grams of the donors that gave them
         self.faiss_size = 0               # rows when it was built (rebuild past 2x)
 
     def __len__(self) -> int:
@@ -75,6 +78,7 @@ class _Table:
             self.faiss.add_with_ids(vector[None, :], np.asarray([vid], dtype=np.int64))
 
     def remove(self, key: Hashable) -> None:
+        self.grams.remove(key)
         row = self.row_of.pop(key)
         last = len(self.keys) - 1
         vid = int(self.ids[row])
@@ -116,7 +120,9 @@ class VectorIndex:
         return table is not None and key in table.row_of
 
     # ---- mutation (scheduler thread) ----------------------------------------------------------
-    def add(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int) -> None:
+    def add(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int,
+            grams: np.ndarray | None = None) -> None:
+        """Add a donor: its vector, SimHash and (optional) sampled 4-grams (``ngrams``)."""
         vector = np.asarray(vector, dtype=np.float32).reshape(self.dim)
         with self._lock:
             table = self._tables.get(namespace)
@@ -128,6 +134,8 @@ class VectorIndex:
                 table.remove(key)
             self._next_id += 1
             table.add(key, vector, fingerprint, self._next_id)
+            if grams is not None:
+                table.grams.add(key, grams)
 
     def remove(self, namespace: str, key: Hashable) -> bool:
         with self._lock:
@@ -161,6 +169,15 @@ class VectorIndex:
                 top = top[np.argsort(-scores[top], kind="stable")]
                 found = [(table.keys[i], float(scores[i])) for i in top]
         return [Candidate(key, s, "cosine") for key, s in found if s >= threshold]
+
+    def best_share(self, namespace: str, grams: np.ndarray) -> float | None:
+        """The largest share of a prompt's sampled 4-grams one donor of ``namespace`` holds;
+        None when no donor there gave its grams (nothing to judge by)."""
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None or not len(table.grams):
+                return None
+            return table.grams.best_share(grams)
 
     def near_duplicates(self, namespace: str, fingerprint: int,
                         max_bits: int) -> list[Candidate]:

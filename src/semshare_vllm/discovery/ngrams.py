@@ -1,0 +1,96 @@
+"""Shared token 4-grams: a millisecond test of whether any donor could serve a prompt at all.
+
+A semantic hit needs at least ``min_alignment_coverage`` (default half) of the claim aligned to
+the *same* tokens, and same tokens come in runs: a donor that shares almost no token 4-gram with
+a prompt cannot reach that, however close their embeddings. Measured on real text (SmolLM2's
+tokenizer, Wikipedia extracts): unrelated documents share at most 1.5% of their 4-grams
+(median 0.4%), a document with half its words replaced still shares 15% with its original (a
+fifth replaced: 47%). So a lookup first asks ``GramTable.best_share``; below the threshold
+(``lookup_min_shared_grams``, 5%) it answers "nothing" without embedding the prompt, and a
+request with no possible donor is not held back for the embedder.
+
+Each donor keeps a content-defined quarter of its distinct 4-gram hashes (those whose hash is
+0 mod 4, so that the same text samples the same grams at any offset). The table is a sorted
+array of (hash, donor) over most donors plus a short list of recent ones, merged once it grows.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import numpy as np
+
+GRAM = 4
+SAMPLE = 4            # keep hashes that are 0 mod SAMPLE
+MERGE_AFTER = 64      # recent donors searched one by one before they join the sorted array
+
+
+def sample_grams(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The sampled distinct 4-gram hashes of a token sequence (sorted uint64)."""
+    tokens = np.asarray(token_ids, dtype=np.uint64)
+    n = len(tokens) - GRAM + 1
+    if n <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    h = np.zeros(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(GRAM):
+            h = (h * np.uint64(0x9E3779B97F4A7C15)) ^ tokens[j:j + n]
+            h = (h * np.uint64(0xBF58476D1CE4E5B9)) ^ (h >> np.uint64(29))
+    return np.unique(h[h % np.uint64(SAMPLE) == 0])
+
+
+class GramTable:
+    """One namespace's donors' sampled grams. Not thread-safe: the caller holds a lock."""
+
+    def __init__(self):
+        self._grams: dict[Hashable, np.ndarray] = {}
+        self._recent: list[Hashable] = []
+        self._hashes = np.zeros(0, dtype=np.uint64)   # sorted
+        self._rows = np.zeros(0, dtype=np.int64)      # donor row of each hash
+        self._row_keys: list[Hashable] = []
+
+    def __len__(self) -> int:
+        return len(self._grams)
+
+    def add(self, key: Hashable, grams: np.ndarray) -> None:
+        self._grams[key] = grams
+        self._recent.append(key)
+        if len(self._recent) > MERGE_AFTER:
+            self._merge()
+
+    def remove(self, key: Hashable) -> None:
+        self._grams.pop(key, None)   # its merged rows are skipped until the next merge
+
+    def best_share(self, grams: np.ndarray) -> float:
+        """The largest share of ``grams`` (a prompt's sample) that one donor holds."""
+        if len(grams) == 0 or not self._grams:
+            return 0.0
+        best = 0
+        if len(self._hashes):
+            left = np.searchsorted(self._hashes, grams, "left")
+            lens = np.searchsorted(self._hashes, grams, "right") - left
+            keep = lens > 0
+            left, lens = left[keep], lens[keep]
+            if len(lens):
+                first = np.repeat(left - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+                counts = np.bincount(self._rows[first + np.arange(int(lens.sum()))])
+                for row in np.argsort(-counts):   # the best donor still present
+                    if counts[row] <= best:
+                        break
+                    if self._row_keys[row] in self._grams:
+                        best = int(counts[row])
+                        break
+        for key in self._recent:
+            held = self._grams.get(key)
+            if held is not None:
+                best = max(best, int(np.isin(grams, held, assume_unique=True).sum()))
+        return best / len(grams)
+
+    def _merge(self) -> None:
+        self._row_keys = list(self._grams)
+        arrays = [self._grams[k] for k in self._row_keys]
+        hashes = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint64)
+        rows = np.repeat(np.arange(len(arrays)), [len(a) for a in arrays])
+        order = np.argsort(hashes, kind="stable")
+        self._hashes, self._rows = hashes[order], rows[order]
+        self._recent = []
