@@ -47,7 +47,9 @@ def scheduler(embedder=None, **cfg):
                                VectorIndex(dim=VOCAB, kind="exact"), top_k=3,
                                threshold=cfg.pop("similarity_threshold", 0.6),
                                embedder_id="bag-v1",
-                               min_shared_grams=cfg.pop("min_shared_grams", 0.0))
+                               min_shared_grams=cfg.pop("min_shared_grams", 0.0),
+                               # the embedding path, unless a test is about shared grams
+                               gram_match_share=cfg.pop("gram_match_share", 2.0))
     config = SemShareConfig(**{"lookup_deadline_ms": 5000, **cfg})
     s = SemShareScheduler(config, geometry(), service)
     return s, embedder
@@ -171,8 +173,8 @@ def test_near_duplicates_need_no_embedding():
     assert s.found["t"].candidates[0].method == "simhash" and emb.calls == calls
 
 
-def test_no_embedding_when_no_donor_shares_grams():
-    s, emb = scheduler(min_shared_grams=0.05)
+def test_shared_grams_decide_without_embedding():
+    s, emb = scheduler(min_shared_grams=0.05, gram_match_share=0.5)
     finish(s, DOC)
     settle(s)
     calls = emb.calls
@@ -182,11 +184,17 @@ def test_no_embedding_when_no_donor_shares_grams():
     assert ask(s, unrelated, timeout_s=2)[-1] == (0, False)
     assert emb.calls == calls and "u" not in s.found
     assert s.stats.totals["lookups_without_shared_grams"] == 1
-    emb.gate.set()
-    target = request("t", [7, 8, 9] * 5 + DOC[:190])   # shares most grams: searched as usual
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])   # holds most of the donor's grams
     s.on_new_request(target)
-    ask(s, target)
-    assert emb.calls == calls + 1 and s.found["t"].candidates[0].method == "cosine"
+    ask(s, target, timeout_s=2)
+    assert emb.calls == calls and s.found["t"].candidates[0].method == "grams"
+    assert s.found["t"].candidates[0].score > 0.9
+    emb.gate.set()
+    reordered = request("r", DOC[:190][::-1])   # same bag of tokens, no 4-gram in common
+    s.on_new_request(reordered)
+    ask(s, reordered)
+    assert "r" not in s.found and emb.calls == calls  # below the share: a miss, unembedded
+    assert s.stats.totals["lookups_without_shared_grams"] == 2
 
 
 def test_embeddings_come_back_from_the_snapshot(tmp_path):

@@ -46,16 +46,21 @@ def test_best_share_over_sorted_and_recent_donors_with_removals(monkeypatch):
     assert table.best_share(query) == 50 / len(query)
     table.add(11, donors[2][:100])      # a recent donor counts before any merge
     assert table.best_share(query) == 100 / len(query)
+    assert [k for k, _ in table.top(query, 2)] == [11, 7]
     assert table.best_share(np.zeros(0, dtype=np.uint64)) == 0.0
 
 
 def test_vector_index_keeps_grams_per_namespace():
     index = VectorIndex(dim=4, kind="exact")
     g = np.arange(0, 400, 4, dtype=np.uint64)
-    assert index.best_share("a", g) is None
+    assert index.shared_grams("a", g, 3) is None
     index.add("a", "k", np.ones(4) / 2, 0, grams=g)
+    index.add("a", "half", np.ones(4) / 2, 0, grams=g[::2])
     index.add("b", "j", np.ones(4) / 2, 0)          # a donor that gave no grams
-    assert index.best_share("a", g) == 1.0
-    assert index.best_share("b", g) is None
+    found = index.shared_grams("a", g, 3)
+    assert [(c.key, c.score, c.method) for c in found] == [("k", 1.0, "grams"),
+                                                            ("half", 0.5, "grams")]
+    assert index.shared_grams("a", g, 1)[0].key == "k"
+    assert index.shared_grams("b", g, 3) is None
     index.remove("a", "k")
-    assert index.best_share("a", g) is None
+    assert [c.key for c in index.shared_grams("a", g, 3)] == ["half"]

@@ -67,8 +67,9 @@ class SemShareConfig:
     lookup_min_shared_grams: float = _knob(
         0.05, "A donor search embeds the prompt only if some donor of its namespace shares at "
         "least this share of its (sampled) token 4-grams; otherwise it is a miss at once. "
-        "Unrelated texts share under 2%, a text with half its words replaced 15%. 0: always "
-        "embed.", minimum=0.0, maximum=1.0)
+        "Unrelated texts share under 2%, a text with half its words replaced 15%. (A donor "
+        "holding half of them is a candidate without an embedding.) 0: no donor is ruled out "
+        "this way.", minimum=0.0, maximum=1.0)
     lookup_deadline_ms: int = _knob(
         200, "How long a new request may wait for its donor search (vLLM re-asks; the request "
         "is not scheduled meanwhile). Past it, the request proceeds without a semantic donor.",

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from semshare_vllm import donor_file
+from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import DonorKey
 
 logger = logging.getLogger("vllm.semshare.store")
@@ -169,7 +170,8 @@ class HostKVStore:
                 else:
                     path.unlink(missing_ok=True)
             except Exception:  # a full or read-only disk must not take the engine down
-                logger.exception("SemShare: persisting a donor failed; it stays memory-only")
+                warn_once(logger, "persist", "SemShare: persisting a donor failed; it stays "
+                          "memory-only", exc_info=True)
             finally:
                 self._disk_q.task_done()
 

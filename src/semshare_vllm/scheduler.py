@@ -38,6 +38,7 @@ from semshare_vllm.donor_index import (
     donor_id_for,
 )
 from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -539,7 +540,7 @@ class SemShareScheduler:
                         or list(self.geometry.layer_names) != header.layer_names):
                     raise donor_file.CorruptDonorFile(f"{path}: identity does not match contents")
             except donor_file.CorruptDonorFile as exc:
-                logger.warning("SemShare: skipping persisted donor: %s", exc)
+                warn_once(logger, "restore", "SemShare: skipping persisted donor: %s", exc)
                 self.stats.add("persisted_skipped")
                 continue
             key = DonorKey(header.namespace, header.donor_id)

@@ -33,6 +33,7 @@ from semshare_vllm.kv_layout import (
     slots_for,
     stack_layers,
 )
+from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
     DonorKey,
@@ -157,7 +158,8 @@ class SemShareWorker:
                 raise DonorUnavailable(self.disabled or "no host store")
             pool_blocks = self.store.allocate(spec.key, len(spec.block_ids), self._capturing)
         except DonorUnavailable as exc:
-            logger.warning("SemShare: request %s is not kept as a donor: %s", spec.req_id, exc)
+            warn_once(logger, "capture", "SemShare: request %s is not kept as a donor: %s",
+                      spec.req_id, exc)
             self._finished_sending.add(spec.req_id)  # release its blocks, keep nothing
             self._bad_donors.append(spec.key)
             return
@@ -194,9 +196,9 @@ class SemShareWorker:
             self._finished_sending.add(spec.req_id)
             try:
                 ms = future.result()
-            except Exception:
-                logger.exception("SemShare: capturing request %s failed; it is not a donor",
-                                 spec.req_id)
+            except Exception as exc:
+                warn_once(logger, "capture_copy", "SemShare: capturing request %s failed; it is "
+                          "not a donor", spec.req_id, exc_info=exc)
                 self.store.drop_memory(key)
                 self._bad_donors.append(key)
                 continue
@@ -233,8 +235,8 @@ class SemShareWorker:
                     copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
                                 spec.dst_start, spec.num_tokens, self.layout)
         except Exception as exc:
-            logger.warning("SemShare: loading donor %s for request %s failed (%s); "
-                           "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
+            warn_once(logger, "load", "SemShare: loading donor %s for request %s failed (%s); "
+                      "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
             self._invalidate(spec)
             self._bad_donors.append(spec.key)
             self.stats.add("load_failures")
@@ -291,8 +293,8 @@ class SemShareWorker:
             result = self.runner.recompute(spec.token_ids, spec.block_ids, selection,
                                            context=end)
         except Exception as exc:  # half-repaired KV must not be used: vLLM recomputes it
-            logger.warning("SemShare: recompute for request %s failed (%s); its loaded tokens "
-                           "are computed by vLLM", spec.req_id, exc)
+            warn_once(logger, "recompute", "SemShare: recompute for request %s failed (%s); its "
+                      "loaded tokens are computed by vLLM", spec.req_id, exc)
             self._invalidate(spec)
             self.stats.add("recompute_failures")
             return

@@ -5,9 +5,12 @@ the *same* tokens, and same tokens come in runs: a donor that shares almost no t
 a prompt cannot reach that, however close their embeddings. Measured on real text (SmolLM2's
 tokenizer, Wikipedia extracts): unrelated documents share at most 1.5% of their 4-grams
 (median 0.4%), a document with half its words replaced still shares 15% with its original (a
-fifth replaced: 47%). So a lookup first asks ``GramTable.best_share``; below the threshold
-(``lookup_min_shared_grams``, 5%) it answers "nothing" without embedding the prompt, and a
-request with no possible donor is not held back for the embedder.
+fifth replaced: 47%). So a lookup first asks ``GramTable.top``: below the threshold
+(``lookup_min_shared_grams``, 5%) it answers "nothing" without embedding the prompt, so a request
+with no possible donor is not held back for the embedder; and a donor holding at least half of
+the prompt's grams (the same document behind another instruction, the same passages reordered,
+the next turn of a chat) is a candidate at once, also without an embedding (the alignment then
+measures the coverage exactly).
 
 Each donor keeps a content-defined quarter of its distinct 4-gram hashes (those whose hash is
 0 mod 4, so that the same text samples the same grams at any offset). The table is a sorted
@@ -63,9 +66,14 @@ class GramTable:
 
     def best_share(self, grams: np.ndarray) -> float:
         """The largest share of ``grams`` (a prompt's sample) that one donor holds."""
+        top = self.top(grams, 1)
+        return top[0][1] if top else 0.0
+
+    def top(self, grams: np.ndarray, k: int) -> list[tuple[Hashable, float]]:
+        """The ``k`` donors holding the largest shares of ``grams``, best first (none: [])."""
         if len(grams) == 0 or not self._grams:
-            return 0.0
-        best = 0
+            return []
+        held: dict[Hashable, int] = {}
         if len(self._hashes):
             left = np.searchsorted(self._hashes, grams, "left")
             lens = np.searchsorted(self._hashes, grams, "right") - left
@@ -74,17 +82,17 @@ class GramTable:
             if len(lens):
                 first = np.repeat(left - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
                 counts = np.bincount(self._rows[first + np.arange(int(lens.sum()))])
-                for row in np.argsort(-counts):   # the best donor still present
-                    if counts[row] <= best:
-                        break
-                    if self._row_keys[row] in self._grams:
-                        best = int(counts[row])
-                        break
+                for row in np.flatnonzero(counts):
+                    key = self._row_keys[row]
+                    if key in self._grams:   # removed since the merge: skipped
+                        held[key] = int(counts[row])
         for key in self._recent:
-            held = self._grams.get(key)
-            if held is not None:
-                best = max(best, int(np.isin(grams, held, assume_unique=True).sum()))
-        return best / len(grams)
+            mine = self._grams.get(key)
+            if mine is not None:
+                held[key] = max(held.get(key, 0),
+                                int(np.isin(grams, mine, assume_unique=True).sum()))
+        best = sorted(held.items(), key=lambda kv: -kv[1])[:k]
+        return [(key, count / len(grams)) for key, count in best if count > 0]
 
     def _merge(self) -> None:
         self._row_keys = list(self._grams)

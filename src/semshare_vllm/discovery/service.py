@@ -2,9 +2,10 @@
 
 The scheduler half hands work over and picks results up; it never blocks here:
 
-* ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates
-  (no embedding needed); else, if no donor shares enough token 4-grams to be aligned at all
-  (``ngrams.py``), nothing; else detokenise -> embed -> cosine top-k in the namespace. Lookups run
+* ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates;
+  then the donors sharing the prompt's token 4-grams (``ngrams.py``): none with enough -> no
+  donor; some holding at least half -> they are the candidates (no embedding needed either);
+  else detokenise -> embed -> cosine top-k in the namespace. Lookups run
   on their own thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
   until the scheduler thread attaches it to the catalog (which owns every mutation).
@@ -38,6 +39,9 @@ logger = logging.getLogger("vllm.semshare.discovery")
 
 # SimHash bits within which two prompts count as near-duplicates (random pairs sit near 32).
 NEAR_DUPLICATE_BITS = 6
+# Share of a prompt's sampled token 4-grams one donor must hold to be a candidate without an
+# embedding (half: what the alignment must then find as same tokens, min_alignment_coverage).
+GRAM_MATCH_SHARE = 0.5
 # Niceness added to the background (donor embedding) thread: under CPU contention it gets about
 # a tenth of the share of a normal thread, so vLLM's scheduler and API server go first.
 BACKGROUND_NICE = 10
@@ -100,12 +104,13 @@ class _JobThread:
 class DiscoveryService:
     def __init__(self, make_embedder: Callable[[], Embedder], detokenize: Callable[[list], str],
                  index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str,
-                 min_shared_grams: float = 0.0):
+                 min_shared_grams: float = 0.0, gram_match_share: float = GRAM_MATCH_SHARE):
         self.index = index
         self.embedder_id = embedder_id   # what snapshots are tagged with
         self.top_k = top_k
         self.threshold = threshold
         self.min_shared_grams = min_shared_grams
+        self.gram_match_share = gram_match_share
         self._make_embedder = make_embedder
         self._detokenize = detokenize
         self._embedder: Embedder | None = None
@@ -227,11 +232,18 @@ class DiscoveryService:
             if near:
                 future.set_result(Lookup(near[:self.top_k], None, fingerprint))
                 return
-            if self.min_shared_grams > 0:
-                share = self.index.best_share(namespace, sample_grams(token_ids))
-                if share is not None and share < self.min_shared_grams:
+            shared = self.index.shared_grams(namespace, sample_grams(token_ids), self.top_k)
+            if shared is not None:
+                best = shared[0].score if shared else 0.0
+                if best < self.min_shared_grams:
                     # no donor could align enough same tokens: not worth an embedding
                     future.set_result(Lookup([], None, fingerprint, no_shared_grams=True))
+                    return
+                if best >= self.gram_match_share:
+                    # the donor holds most of the prompt's text: a candidate by itself
+                    future.set_result(Lookup(
+                        [c for c in shared if c.score >= self.gram_match_share], None,
+                        fingerprint))
                     return
             if self._ready_embedder() is None:
                 future.set_result(Lookup([], None, fingerprint))

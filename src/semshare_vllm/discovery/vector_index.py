@@ -40,8 +40,8 @@ KINDS = ("auto", "exact", "faiss-flat", "faiss-ivf")
 @dataclass(frozen=True)
 class Candidate:
     key: Hashable
-    score: float       # cosine similarity, or 1 - bits/64 for a SimHash match
-    method: str        # "cosine" or "simhash"
+    score: float       # cosine similarity, 1 - bits/64 for SimHash, the share of shared grams
+    method: str        # "cosine", "simhash" or "grams"
 
 
 class _Table:
@@ -170,14 +170,14 @@ class VectorIndex:
                 found = [(table.keys[i], float(scores[i])) for i in top]
         return [Candidate(key, s, "cosine") for key, s in found if s >= threshold]
 
-    def best_share(self, namespace: str, grams: np.ndarray) -> float | None:
-        """The largest share of a prompt's sampled 4-grams one donor of ``namespace`` holds;
-        None when no donor there gave its grams (nothing to judge by)."""
+    def shared_grams(self, namespace: str, grams: np.ndarray, k: int) -> list[Candidate] | None:
+        """The ``k`` donors of ``namespace`` holding the largest shares of a prompt's sampled
+        4-grams (score = share), best first; None when no donor there gave its grams."""
         with self._lock:
             table = self._tables.get(namespace)
             if table is None or not len(table.grams):
                 return None
-            return table.grams.best_share(grams)
+            return [Candidate(key, share, "grams") for key, share in table.grams.top(grams, k)]
 
     def near_duplicates(self, namespace: str, fingerprint: int,
                         max_bits: int) -> list[Candidate]:
