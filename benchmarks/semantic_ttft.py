@@ -10,11 +10,13 @@ size, one searched by the connector and one opted out (``kv_transfer_params``), 
 order on the SemShare server (same server, same time), and both against the cold server.
 
     .venv/bin/python benchmarks/semantic_ttft.py [--docs 3] [--sizes 512 1024 2048]
+        [--extra-config '{"recompute_min_tokens": 160}']
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -31,7 +33,6 @@ HEAD_B = ("You are a careful assistant. The following text comes from an encyclo
           "all of it before you answer, and answer in one short sentence.\n\n")
 QUESTION = "\n\nQuestion: What is the article about? Answer:"
 LAYERS = 30
-RATIO = 0.15
 
 
 def prompts(tok, sizes, docs):
@@ -90,8 +91,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--lookup-deadline-ms", type=int, default=None,
-                        help="the connector's lookup_deadline_ms (default: the config default)")
+    parser.add_argument("--extra-config", type=json.loads, default={},
+                        help='connector keys to set, as JSON (e.g. {"recompute_ratio": 0.3})')
     args = parser.parse_args()
     model = str(models.smollm2())
     from transformers import AutoTokenizer
@@ -102,30 +103,35 @@ def main() -> None:
     print(f"server logs: {workdir}", file=sys.stderr)
     cold, _ = run("cold", model, None, cases, args.max_tokens, workdir)
     kv = dict(SEMSHARE)
-    if args.lookup_deadline_ms is not None:
-        kv["kv_connector_extra_config"] = {"lookup_deadline_ms": args.lookup_deadline_ms}
+    if args.extra_config:
+        kv["kv_connector_extra_config"] = args.extra_config
     hit, stats = run("semshare", model, kv, cases, args.max_tokens, workdir)
 
-    ceiling = LAYERS / (1.25 + 0.75 * RATIO + RATIO * (LAYERS - 2))
+    from semshare_vllm.config import SemShareConfig
+
+    config = SemShareConfig.from_extra_config(args.extra_config)
     print(f"\n## Semantic hits through vllm serve (SmolLM2-135M, CPU; cross-instruction pairs, "
-          f"{args.docs} documents per size; medians; CacheBlend r = {RATIO:.0%}, ceiling "
-          f"{ceiling:.2f}x)")
-    print("| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | of ceiling | "
-          "reused | ROUGE-L(hit, cold) | miss overhead (vs opted out, same server) | "
-          "miss overhead (vs cold server) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{args.docs} documents per size; medians; CacheBlend r = "
+          f"{config.recompute_ratio:.0%}, at least {config.recompute_min_tokens} tokens)")
+    print("| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | r | ceiling | "
+          "of ceiling | reused | ROUGE-L(hit, cold) | miss overhead (vs opted out, same "
+          "server) | miss overhead (vs cold server) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         keys = [k for k in cases if k[0] == size]
         c = statistics.median(cold[k]["ttft"] for k in keys)
         h = statistics.median(hit[k]["ttft"] for k in keys)
+        prompt = statistics.median(hit[k]["prompt"] for k in keys)
+        r = min(1.0, max(config.recompute_ratio, config.recompute_min_tokens / prompt))
+        ceiling = LAYERS / (1.25 + 0.75 * r + r * (LAYERS - 2))
         reused = statistics.median(hit[k]["cached"] / hit[k]["prompt"] for k in keys)
         rouge = statistics.median(rouge_l(hit[k]["text"], cold[k]["text"]) for k in keys)
         same = statistics.median(hit[k]["neg_ttft"] for k in keys) / \
             statistics.median(hit[k]["neg_off_ttft"] for k in keys)
         miss = statistics.median(hit[k]["neg_ttft"] / cold[k]["neg_ttft"] for k in keys)
-        print(f"| {size:,} | {statistics.median(hit[k]['prompt'] for k in keys):.0f} | "
-              f"{c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | {c / h / ceiling:.2f} | "
-              f"{reused:.2f} | {rouge:.2f} | {same - 1:+.1%} | {miss - 1:+.1%} |")
+        print(f"| {size:,} | {prompt:.0f} | {c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | "
+              f"{r:.0%} | {ceiling:.2f}x | {c / h / ceiling:.2f} | {reused:.2f} | {rouge:.2f} | "
+              f"{same - 1:+.1%} | {miss - 1:+.1%} |")
     keys = ("semantic_hits", "hit_tokens", "exact_reused_tokens", "fuzzy_reused_tokens",
             "recomputed_tokens", "recomputed_token_layers", "align_ms", "load_ms",
             "recompute_ms", "deviation_sum", "deviation_count", "semantic_misses",

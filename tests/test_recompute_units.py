@@ -28,6 +28,11 @@ def test_cacheblend_keeps_the_top_ratio_and_the_always_set_after_the_check_layer
     keep = sel.after_layer(probe(1, loaded, dev))
     assert np.array_equal(loaded[keep], [0, 2, 4, 6, 9])
     assert sel.after_layer(probe(2, loaded[keep], [0] * 5)) is None   # fixed from then on
+    assert sel.narrows_at(1) and not sel.narrows_at(0) and not sel.narrows_at(2)
+    # a floor on the count: at least 4 besides the always-set, whatever the ratio gives
+    floor = CacheBlend(loaded, always=[0, 9], ratio=0.3, check_layer=1, min_tokens=4)
+    keep = floor.after_layer(probe(1, loaded, dev))
+    assert np.array_equal(loaded[keep], [0, 1, 2, 4, 6, 9])   # the 4th: the first of a tie
 
 
 def test_semsharekv_splits_hot_and_cold_then_decays():
@@ -61,11 +66,13 @@ def test_always_recompute_covers_unaligned_other_tokens_run_heads_and_the_tail()
 
 def test_make_selection_follows_the_config():
     cfg = SemShareConfig.from_extra_config({"recompute_ratio": 0.5, "recompute_check_layer": 0,
+                                            "recompute_min_tokens": 3,
                                             "semsharekv_window": 8}, environ={})
     loaded = np.arange(4, 20)
     assert isinstance(make_selection("all", loaded, np.array([]), cfg), Fixed)
     cb = make_selection("cacheblend", loaded, np.array([5]), cfg)
     assert isinstance(cb, CacheBlend) and cb.ratio == 0.5 and cb.check_layer == 0
+    assert cb.min_tokens == 3
     assert np.array_equal(cb.always, [5])
     assert make_selection("semsharekv", loaded, np.array([]), cfg).window == 8
     with pytest.raises(ValueError):

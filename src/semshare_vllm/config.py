@@ -149,6 +149,10 @@ class SemShareConfig:
     recompute_ratio: float = _knob(
         0.15, "CacheBlend: share of the loaded tokens recomputed after the check layer.",
         minimum=0.0, maximum=1.0)
+    recompute_min_tokens: int = _knob(
+        0, "CacheBlend: recompute at least this many loaded tokens after the check layer "
+        "(short prompts: 15% of a few hundred tokens can leave a near-tie answer to the donor's "
+        "context). 0: the ratio alone.", minimum=0)
     recompute_check_layer: int = _knob(
         1, "CacheBlend: the layer (0-based) up to which every loaded token is recomputed and "
         "where deviations are measured.", minimum=0)

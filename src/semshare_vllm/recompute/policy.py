@@ -93,9 +93,10 @@ class Fixed(Selection):
 
 
 class CacheBlend(Selection):
-    def __init__(self, candidates, always=None, ratio: float = 0.15, check_layer: int = 1):
+    def __init__(self, candidates, always=None, ratio: float = 0.15, check_layer: int = 1,
+                 min_tokens: int = 0):
         super().__init__(candidates, always)
-        self.ratio, self.check_layer = ratio, check_layer
+        self.ratio, self.check_layer, self.min_tokens = ratio, check_layer, min_tokens
 
     def wants_probe(self, layer):
         return layer == self.check_layer, False
@@ -107,7 +108,8 @@ class CacheBlend(Selection):
         if probe.layer != self.check_layer:
             return None
         self._measure(probe)
-        return self._keep_top(probe, int(round(self.ratio * len(self.candidates))))
+        return self._keep_top(probe, max(int(round(self.ratio * len(self.candidates))),
+                                         self.min_tokens))
 
 
 class SemShareKV(Selection):
@@ -178,7 +180,8 @@ def make_selection(policy: str, loaded: np.ndarray, always: np.ndarray, config) 
     if policy == "all":
         return Fixed(loaded)
     if policy == "cacheblend":
-        return CacheBlend(loaded, always, config.recompute_ratio, config.recompute_check_layer)
+        return CacheBlend(loaded, always, config.recompute_ratio, config.recompute_check_layer,
+                          config.recompute_min_tokens)
     if policy == "semsharekv":
         return SemShareKV(loaded, always, config.semsharekv_hot_threshold,
                           config.semsharekv_hot_ratio, config.semsharekv_cold_ratio,
