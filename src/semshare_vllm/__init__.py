@@ -4,4 +4,4 @@ The connector class vLLM loads is ``semshare_vllm.connector.SemShareConnector``.
 package loads nothing heavy.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

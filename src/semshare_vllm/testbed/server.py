@@ -12,10 +12,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from semshare_vllm.bench.client import Completion, Endpoint
 
 SEMSHARE = {"kv_connector": "SemShareConnector",
             "kv_connector_module_path": "semshare_vllm.connector", "kv_role": "kv_both"}
@@ -25,15 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Completion:
-    text: str
-    ttft_s: float
-    total_s: float
-    cached_tokens: int | None
-    prompt_tokens: int | None
 
 
 class VllmServer:
@@ -113,32 +105,8 @@ class VllmServer:
                  cache_salt: str | None = None, timeout_s: float = 600,
                  ignore_eos: bool = True, kv_transfer_params: dict | None = None) -> Completion:
         """Greedy streaming completion; TTFT is measured client-side to the first text chunk."""
-        body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
-                "stream_options": {"include_usage": True}}
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
-        t0 = time.perf_counter()
-        ttft, text, usage = None, [], {}
-        with requests.post(self.url + "/v1/completions", json=body, stream=True,
-                           timeout=timeout_s) as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(chunk["choices"][0].get("text", ""))
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return Completion("".join(text), ttft if ttft is not None else float("nan"),
-                          time.perf_counter() - t0, details.get("cached_tokens"),
-                          usage.get("prompt_tokens"))
+        return Endpoint(self.url, self.served_name, timeout_s).complete(
+            prompt, max_tokens, cache_salt, kv_transfer_params, ignore_eos)
 
     def chat(self, content: str, max_tokens: int = 8, cache_salt: str | None = None,
              timeout_s: float = 600) -> str:

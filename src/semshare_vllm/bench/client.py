@@ -1,0 +1,99 @@
+"""One OpenAI-compatible vLLM endpoint: streaming completions timed on the client, and the
+connector's Prometheus counters."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+import requests
+
+
+class EndpointError(RuntimeError):
+    """The server cannot be benchmarked (unreachable, no model, no SemShare connector)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    ttft_s: float          # first streamed text chunk, measured on the client
+    total_s: float         # end to end
+    cached_tokens: int | None   # prompt_tokens_details.cached_tokens (vLLM's and ours)
+    prompt_tokens: int | None
+
+
+_COUNTER = re.compile(r"^vllm:semshare_(\w+)_total\{[^}]*\} (\S+)$", re.M)
+
+
+class Endpoint:
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600):
+        self.url = base_url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.timeout_s = timeout_s
+        self.model = model
+
+    def check(self, need_connector: bool = True) -> None:
+        """Fail clearly unless the server answers, serves a model and (``need_connector``)
+        runs the SemShare connector."""
+        try:
+            models = requests.get(self.url + "/v1/models", timeout=10)
+            models.raise_for_status()
+        except requests.RequestException as exc:
+            raise EndpointError(f"no vLLM server at {self.url}: {exc}") from None
+        if self.model is None:
+            data = models.json().get("data") or []
+            if not data:
+                raise EndpointError(f"{self.url} serves no model")
+            self.model = data[0]["id"]
+        if need_connector and not self.counters():
+            raise EndpointError(
+                f"{self.url} does not run the SemShare connector (no vllm:semshare_* metrics); "
+                "start it with --kv-transfer-config '{\"kv_connector\":\"SemShareConnector\","
+                "\"kv_connector_module_path\":\"semshare_vllm.connector\",\"kv_role\":"
+                "\"kv_both\"}'")
+
+    def counters(self) -> dict[str, float]:
+        """The connector's counters (``vllm:semshare_<name>_total``, summed over engines)."""
+        try:
+            text = requests.get(self.url + "/metrics", timeout=10).text
+        except requests.RequestException:
+            return {}
+        out: dict[str, float] = {}
+        for name, value in _COUNTER.findall(text):
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16,
+                 cache_salt: str | None = None, kv_transfer_params: dict | None = None,
+                 ignore_eos: bool = True) -> Completion:
+        """Greedy streaming completion; TTFT to the first text chunk, as ``vllm bench serve``
+        measures it."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
+                "stream_options": {"include_usage": True}}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        t0 = time.perf_counter()
+        ttft, text, usage = None, [], {}
+        with requests.post(self.url + "/v1/completions", json=body, stream=True,
+                           timeout=self.timeout_s) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(chunk["choices"][0].get("text", ""))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return Completion("".join(text), ttft if ttft is not None else float("nan"),
+                          time.perf_counter() - t0, details.get("cached_tokens"),
+                          usage.get("prompt_tokens"))

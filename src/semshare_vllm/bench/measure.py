@@ -1,0 +1,103 @@
+"""Send a workload and measure each target twice on the same server: cold (the connector opted
+out through ``kv_transfer_params`` and a fresh ``cache_salt``, so neither the connector nor vLLM's
+own prefix cache reuses anything) and through the connector. The two go in alternating order so
+that a drifting machine favours neither."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from semshare_vllm.bench.client import Completion, Endpoint
+from semshare_vllm.bench.workloads import BenchRequest
+
+OPT_OUT = {"semshare": "off"}
+
+
+@dataclass
+class Measured:
+    request: BenchRequest
+    cold: Completion
+    served: Completion          # through the connector
+    connector_tokens: int       # prompt tokens the connector claimed for it (counter delta)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.served.prompt_tokens or self.cold.prompt_tokens or 0
+
+    @property
+    def hit(self) -> bool:
+        """The connector served at least half of the prompt."""
+        return self.prompt_tokens > 0 and self.connector_tokens >= 0.5 * self.prompt_tokens
+
+
+def wait_for_donors(endpoint: Endpoint, before: dict[str, float], donors: int,
+                    timeout_s: float) -> None:
+    """Until the server has captured (and, with discovery on, embedded) the group's donors."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = endpoint.counters()
+        captured = now.get("captured_donors", 0) - before.get("captured_donors", 0)
+        embedded = now.get("donors_embedded", 0) - before.get("donors_embedded", 0)
+        if captured >= donors and (embedded >= donors or now.get("donors_embedded") is None):
+            return
+        # a finished request is captured when the engine steps again: give it a step
+        endpoint.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)
+        time.sleep(0.2)
+
+
+def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.0) -> int:
+    """The connector's claimed tokens since ``before``: its counters reach the API server with
+    the engine's next stats, so wait until this request's lookup is counted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = endpoint.counters()
+        if now.get("lookups", 0) > before.get("lookups", 0) or time.monotonic() > deadline:
+            return int(now.get("hit_tokens", 0) - before.get("hit_tokens", 0))
+        time.sleep(0.05)
+
+
+def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
+        donor_wait_s: float = 60.0,
+        on_result: Callable[[Measured, int, int], None] | None = None) -> list[Measured]:
+    """Donors of each group first, then its targets (cold and served). A KeyboardInterrupt
+    stops the run; what was measured so far is returned."""
+    groups: dict[str, list[BenchRequest]] = {}
+    for r in requests:
+        groups.setdefault(r.group, []).append(r)
+    total = sum(r.role == "target" for r in requests)
+    out: list[Measured] = []
+    try:
+        for members in groups.values():
+            donors = [r for r in members if r.role == "donor"]
+            if donors:
+                before = endpoint.counters()
+                for d in donors:
+                    endpoint.complete(d.prompt, max_tokens=2)
+                wait_for_donors(endpoint, before, len(donors), donor_wait_s)
+            for r in (r for r in members if r.role == "target"):
+                salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
+
+                def cold():
+                    return endpoint.complete(r.prompt, max_tokens, cache_salt=salt,
+                                             kv_transfer_params=OPT_OUT)
+
+                def served():
+                    before = endpoint.counters()
+                    result = endpoint.complete(r.prompt, max_tokens)
+                    return result, _claimed(endpoint, before)
+
+                if len(out) % 2:
+                    c = cold()
+                    s, claimed = served()
+                else:
+                    s, claimed = served()
+                    c = cold()
+                out.append(Measured(r, c, s, claimed))
+                if on_result is not None:
+                    on_result(out[-1], len(out), total)
+    except KeyboardInterrupt:
+        pass
+    return out

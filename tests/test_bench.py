@@ -1,0 +1,121 @@
+"""`semshare-bench`: workloads from real text, the workload file, clear failures, and a short
+run of every workload against a real `vllm serve` with the connector (--launch)."""
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from semshare_vllm.bench import cli
+from semshare_vllm.bench import workloads as W
+from semshare_vllm.testbed import pairs as P
+
+
+@pytest.fixture(scope="module")
+def sizer():
+    return W.Sizer(P.smollm2_tokenizer())
+
+
+@pytest.mark.parametrize("name", W.WORKLOADS)
+def test_workloads_are_real_text_sized_and_seeded(sizer, name):
+    reqs = W.build(name, 2, 512, sizer, seed=3)
+    assert reqs == W.build(name, 2, 512, sizer, seed=3)          # the seed fixes them
+    assert reqs != W.build(name, 2, 512, sizer, seed=4) or name == "doc-qa"
+    groups = {r.group for r in reqs}
+    assert len(groups) == 2 and all(r.workload == name for r in reqs)
+    targets = [r for r in reqs if r.role == "target"]
+    donors = [r for r in reqs if r.role == "donor"]
+    assert targets and all(len(r.prompt) > 100 for r in reqs)
+    if name == "negative":
+        assert not donors
+    else:                                     # each group: its donor first, then its targets
+        assert len(donors) == 2 and all(
+            [r.role for r in reqs if r.group == g][0] == "donor" for g in groups)
+    if name in ("cross-instruction", "negative", "edit", "multi-turn"):
+        assert all(sizer.count(r.prompt) < 512 + 120 for r in donors or reqs)
+    if name == "doc-qa":
+        assert all(r.answer and r.answer in r.prompt for r in reqs)
+    if name == "edit":
+        assert sorted({r.level for r in targets}) == list(W.EDIT_LEVELS)
+
+
+def test_workload_file_errors_name_the_line(tmp_path):
+    good = tmp_path / "w.jsonl"
+    good.write_text('{"prompt": "a donor text", "group": "g", "role": "donor"}\n\n'
+                    '{"prompt": "a target text", "group": "g", "answer": "x"}\n')
+    reqs = W.load_file(good)
+    assert [(r.group, r.role, r.answer) for r in reqs] == [("g", "donor", None),
+                                                         ("g", "target", "x")]
+    for line, why in [('{"group": "g"}', "missing 'prompt'"),
+                      ('{"prompt": "p", "role": "teacher"}', "'role' must be"),
+                      ("not json", "line 2"), ('["a list"]', "not a JSON object")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(W.WorkloadError, match="line 2"):
+            W.load_file(bad)
+        with pytest.raises(W.WorkloadError, match=why):
+            W.load_file(bad)
+    with pytest.raises(W.WorkloadError, match="unknown workload"):
+        W.build("nope", 1, 512, W.Sizer())
+
+
+def test_cli_fails_clearly(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--base-url", "http://127.0.0.1:9", "--workloads", "nope"])
+    assert e.value.code == 2 and "unknown workload" in capsys.readouterr().err
+    assert cli.main(["--base-url", "http://127.0.0.1:9"]) == 2
+    assert "no vLLM server at http://127.0.0.1:9" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"role": "donor"}\n')
+    assert cli.main(["--base-url", "http://127.0.0.1:9", "--workload-file", str(bad)]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+class _PlainVllm(http.server.BaseHTTPRequestHandler):
+    """Answers like a vLLM server without the connector: a model, metrics without ours."""
+
+    def do_GET(self):
+        body = (json.dumps({"data": [{"id": "m"}]}) if self.path == "/v1/models"
+                else 'vllm:num_requests_running{model_name="m"} 0.0\n').encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_the_connector_is_refused(capsys):
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _PlainVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert cli.main(["--base-url", f"http://127.0.0.1:{srv.server_port}/v1"]) == 2
+    finally:
+        srv.shutdown()
+    assert "does not run the SemShare connector" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys):
+    out, plots = tmp_path / "r.json", tmp_path / "plots"
+    rc = cli.main(["--launch", "--workloads", "all", "--context-tokens", "512", "--groups", "1",
+                   "--max-tokens", "8", "--out", str(out), "--plots", str(plots)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["config"]["context_tokens"] == [512]
+    by = result["results"]["512"]["workloads"]
+    assert set(by) == set(W.WORKLOADS)
+    for name in ("cross-instruction", "rag-reorder", "doc-qa", "multi-turn"):
+        assert by[name]["hits"] >= 1, (name, by[name])
+        assert by[name]["semshare_hits"]["median_ttft_ms"] > 0
+        assert by[name]["cold"]["median_ttft_ms"] > 0 and by[name]["hit_only_speedup"] > 0
+    assert by["negative"]["hits"] == 0 and by["negative"]["miss_overhead"] is not None
+    assert by["doc-qa"]["accuracy_cold"] is not None
+    assert set(by["edit"]["by_edit_level"]) == {f"{x:.1f}" for x in W.EDIT_LEVELS}
+    rows = result["results"]["512"]["requests"]
+    assert all(r["cold_output"] and r["semshare_output"] for r in rows)
+    assert "| 512 | cross-instruction |" in printed
+    assert (plots / "ttft_vs_context.png").stat().st_size > 1000
+    assert (plots / "fidelity_vs_edit.png").stat().st_size > 1000
