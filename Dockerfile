@@ -6,6 +6,8 @@ FROM vllm/vllm-openai:v0.33.0
 WORKDIR /opt/semshare-vllm
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir "numpy>=1.26" "safetensors>=0.4"
+# With its dependencies (MiniLM and its runners, FAISS, rapidfuzz, onnxruntime-gpu); the image's
+# vLLM 0.33 and torch already satisfy the [gpu] extra and stay as they are.
+RUN pip install --no-cache-dir ".[gpu]"
 ENTRYPOINT ["vllm", "serve", "--kv-transfer-config", \
   "{\"kv_connector\":\"SemShareConnector\",\"kv_connector_module_path\":\"semshare_vllm.connector\",\"kv_role\":\"kv_both\"}"]

@@ -31,8 +31,10 @@ models: venv
 test: models
 	$(PY) -m pytest tests -v
 
+# A short semshare-bench run on a local vllm serve (SmolLM2-135M; the GPU when there is one).
 demo: models
-	$(PY) -m semshare_vllm.testbed.demo
+	$(PY) -m semshare_vllm.bench.cli --launch --workloads cross-instruction,negative \
+		--context-tokens 1024 --groups 3 --out demo-results.json --plots demo-plots
 
 bench: models
 	$(PY) benchmarks/exact_prefix_ttft.py

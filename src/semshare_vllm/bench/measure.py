@@ -34,14 +34,22 @@ class Measured:
 
 
 def wait_for_donors(endpoint: Endpoint, before: dict[str, float], donors: int,
-                    timeout_s: float) -> None:
-    """Until the server has captured (and, with discovery on, embedded) the group's donors."""
+                    timeout_s: float, embed_wait_s: float = 15.0) -> None:
+    """Until the server has captured the group's donors and embedded every donor it captured
+    (earlier requests' captures queue ahead of this group's, so a count since ``before`` alone
+    could be theirs); the second wait is short, for servers whose discovery is off."""
+    if donors <= 0:
+        return
     deadline = time.monotonic() + timeout_s
+    captured_at = None
     while time.monotonic() < deadline:
         now = endpoint.counters()
-        captured = now.get("captured_donors", 0) - before.get("captured_donors", 0)
-        embedded = now.get("donors_embedded", 0) - before.get("donors_embedded", 0)
-        if captured >= donors and (embedded >= donors or now.get("donors_embedded") is None):
+        if captured_at is None and \
+                now.get("captured_donors", 0) - before.get("captured_donors", 0) >= donors:
+            captured_at = time.monotonic()
+        if captured_at is not None and (
+                now.get("donors_embedded", 0) + now.get("donors_evicted", 0)
+                >= now.get("captured_donors", 0) or time.monotonic() > captured_at + embed_wait_s):
             return
         # a finished request is captured when the engine steps again: give it a step
         endpoint.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)
@@ -73,10 +81,13 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
         for members in groups.values():
             donors = [r for r in members if r.role == "donor"]
             if donors:
-                before = endpoint.counters()
+                before, to_capture = endpoint.counters(), 0
                 for d in donors:
-                    endpoint.complete(d.prompt, max_tokens=2)
-                wait_for_donors(endpoint, before, len(donors), donor_wait_s)
+                    ahead = endpoint.counters()
+                    sent = endpoint.complete(d.prompt, max_tokens=2)
+                    # a donor served from another donor is not kept itself: nothing to wait for
+                    to_capture += _claimed(endpoint, ahead) < 0.5 * (sent.prompt_tokens or 1)
+                wait_for_donors(endpoint, before, to_capture, donor_wait_s)
             for r in (r for r in members if r.role == "target"):
                 salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
 

@@ -144,13 +144,14 @@ def _rag_reorder(groups, tokens, sizer, rng):
 
 
 def _doc_qa(groups, tokens, sizer, rng):
-    """The fact passages, padded with other extracts to the context length (after them, so the
-    facts stay where the model reads them best); the donor asks the first question."""
+    """The fact passages (about 1,270 tokens) followed by other extracts up to the context length,
+    at least 128 tokens of them so that groups differ (after the facts, where the model reads them
+    best); each group's donor asks another question first."""
     out = []
     facts = P.fact_document()
     for g in range(groups):
-        pad = max(tokens - sizer.count(facts) - 40, 0)
-        doc = facts + ("\n\n" + _document(rng, pad, sizer) if pad > 32 else "")
+        pad = max(tokens - sizer.count(facts) - 40, 128)
+        doc = facts + "\n\n" + _document(rng, pad, sizer)
         group = f"doc-qa-{g}"
         questions = P.FACT_QUESTIONS[g % len(P.FACT_QUESTIONS):] + \
             P.FACT_QUESTIONS[:g % len(P.FACT_QUESTIONS)]        # each group asks another first

@@ -1,6 +1,6 @@
 """Shared token 4-grams: a millisecond test of whether any donor could serve a prompt at all.
 
-A semantic hit needs at least ``min_alignment_coverage`` (default half) of the claim aligned to
+A semantic hit needs at least ``min_alignment_coverage`` (default 80%) of the claim aligned to
 the *same* tokens, and same tokens come in runs: a donor that shares almost no token 4-gram with
 a prompt cannot reach that, however close their embeddings. Measured on real text (SmolLM2's
 tokenizer, Wikipedia extracts): unrelated documents share at most 1.5% of their 4-grams

@@ -40,7 +40,7 @@ logger = logging.getLogger("vllm.semshare.discovery")
 # SimHash bits within which two prompts count as near-duplicates (random pairs sit near 32).
 NEAR_DUPLICATE_BITS = 6
 # Share of a prompt's sampled token 4-grams one donor must hold to be a candidate without an
-# embedding (half: what the alignment must then find as same tokens, min_alignment_coverage).
+# embedding (the alignment then measures the same-token coverage a hit needs exactly).
 GRAM_MATCH_SHARE = 0.5
 # Niceness added to the background (donor embedding) thread: under CPU contention it gets about
 # a tenth of the share of a normal thread, so vLLM's scheduler and API server go first.
