@@ -1,7 +1,8 @@
 """Semantic hits: align the candidate donors discovery found, pick one, plan the claim.
 
-``Aligner.warm`` (at start-up) and ``Aligner.prepare`` (per new donor) run on the discovery
-service's background thread, so that a hit pays for the target's side of the alignment only.
+``Aligner.warm`` (at start-up, on the lookup thread) and ``Aligner.prepare`` (per new donor, on
+the background thread) run ahead of hits, so that a hit pays for the target's side of the
+alignment only.
 ``Aligner.best`` runs on the discovery thread (never the scheduler's): it aligns the request's
 tokens to each candidate donor's tokens (``alignment.align``) and returns the candidate whose
 alignment covers most of what the request could claim. ``plan_claim`` (scheduler thread) turns

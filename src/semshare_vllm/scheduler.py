@@ -116,7 +116,9 @@ class SemShareScheduler:
         self._snapshot_at = time.monotonic()
         self.aligner = aligner if self.discovery is not None else None
         if self.aligner is not None:
-            self.discovery.run_background(self.aligner.warm)
+            # at normal priority: a niced thread starves while vLLM compiles and profiles at
+            # start-up, and the first hit's alignment would then wait for the table to load
+            self.discovery.run(self.aligner.warm)
         # req_id -> (alignment job on the discovery thread, when it started)
         self._aligning: dict[str, tuple[Future, float]] = {}
         self._aligned: dict[str, tuple[DonorKey, Alignment]] = {}  # req_id -> chosen donor
