@@ -20,7 +20,7 @@ from pathlib import Path
 
 from semshare_vllm.bench import report, workloads
 from semshare_vllm.bench.client import Endpoint, EndpointError
-from semshare_vllm.bench.measure import Measured, run
+from semshare_vllm.bench.measure import Measured, run, warm_up
 from semshare_vllm.bench.workloads import WORKLOADS, Sizer, WorkloadError
 
 
@@ -75,6 +75,7 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
     config = {k: v for k, v in vars(args).items() if k != "workload_names"}
     config["model"] = endpoint.model
     interrupted = False
+    warm_up(endpoint, args.donor_wait_s)
     for tokens in args.context_tokens:
         if args.workload_file:
             requests = workloads.load_file(args.workload_file)

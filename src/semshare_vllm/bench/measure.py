@@ -67,6 +67,19 @@ def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.
         time.sleep(0.05)
 
 
+def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
+    """One unmeasured donor and target (another instruction over a short real document), as
+    ``vllm bench serve`` warms up: the server's first hit pays one-time loads (the alignment's
+    embedding table, the embedder's first runs) that no measured request should."""
+    from semshare_vllm.testbed.text import wiki_document
+
+    doc = wiki_document(11, 1500)
+    before = endpoint.counters()
+    endpoint.complete("Summarise this text.\n\n" + doc, max_tokens=2)
+    wait_for_donors(endpoint, before, 1, donor_wait_s)
+    endpoint.complete("Read the following and list its places.\n\n" + doc, max_tokens=2)
+
+
 def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
         donor_wait_s: float = 60.0,
         on_result: Callable[[Measured, int, int], None] | None = None) -> list[Measured]:
