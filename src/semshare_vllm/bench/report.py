@@ -149,12 +149,7 @@ def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[
                 color=line.get_color(), label=f"{name} hit")
     ax.set_xlabel("prompt tokens (requested context)")
     ax.set_ylabel("median TTFT (ms)")
-    ax.set_title("semshare-bench: TTFT, cold vs hit")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(directory / "ttft_vs_context.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(plt, fig, ax, "TTFT, cold vs hit", directory / "ttft_vs_context.png"))
     edits = {t: by["edit"]["by_edit_level"] for t, by in summaries.items()
              if "edit" in by and "by_edit_level" in by["edit"]}
     if edits:
@@ -167,10 +162,15 @@ def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[
                     "s--", label=f"hit rate, {tokens} tokens")
         ax.set_xlabel("share of sentences removed or replaced")
         ax.set_ylim(0, 1.05)
-        ax.set_title("semshare-bench: fidelity against edit ratio")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(directory / "fidelity_vs_edit.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, "fidelity against edit ratio",
+                             directory / "fidelity_vs_edit.png"))
     return written
+
+
+def _save(plt, fig, ax, title: str, path: Path) -> Path:
+    ax.set_title(f"semshare-bench: {title}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
