@@ -13,6 +13,11 @@ from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.text import wiki_document
 
 
+def best_share(table, grams):
+    top = table.top(grams, 1)
+    return top[0][1] if top else 0.0
+
+
 def test_samples_are_content_defined_and_shares_separate_real_text():
     tok = P.smollm2_tokenizer()
     doc, other = wiki_document(3000, 6000), wiki_document(5000, 6000)
@@ -24,10 +29,10 @@ def test_samples_are_content_defined_and_shares_separate_real_text():
     assert len(np.intersect1d(g, shifted)) >= 0.95 * len(g)
     table = GramTable()
     table.add("doc", g)
-    unrelated = table.best_share(sample_grams(tok(other)["input_ids"]))
+    unrelated = best_share(table, sample_grams(tok(other)["input_ids"]))
     words = (doc + " " + other).split()
-    half = table.best_share(sample_grams(tok(P.reword_document(doc, 0.5, random.Random(0),
-                                                               words))["input_ids"]))
+    half = best_share(table, sample_grams(tok(P.reword_document(doc, 0.5, random.Random(0),
+                                                                words))["input_ids"]))
     assert unrelated < 0.02 < 0.05 < half
     assert sample_grams([1, 2, 3]).size == 0
 
@@ -41,13 +46,13 @@ def test_best_share_over_sorted_and_recent_donors_with_removals(monkeypatch):
         table.add(key, g)
     assert len(table) == 10
     query = np.unique(np.concatenate([donors[2][:150], donors[7][:50]]))
-    assert table.best_share(query) == 150 / len(query)
+    assert table.top(query, 1) == [(2, 150 / len(query))]
     table.remove(2)                     # merged rows of a removed donor no longer count
-    assert table.best_share(query) == 50 / len(query)
+    assert table.top(query, 1) == [(7, 50 / len(query))]
     table.add(11, donors[2][:100])      # a recent donor counts before any merge
-    assert table.best_share(query) == 100 / len(query)
+    assert table.top(query, 1) == [(11, 100 / len(query))]
     assert [k for k, _ in table.top(query, 2)] == [11, 7]
-    assert table.best_share(np.zeros(0, dtype=np.uint64)) == 0.0
+    assert table.top(np.zeros(0, dtype=np.uint64), 1) == []
 
 
 def test_vector_index_keeps_grams_per_namespace():

@@ -67,6 +67,13 @@ def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.
         time.sleep(0.05)
 
 
+def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completion, int]:
+    """A completion through the connector, and the prompt tokens it claimed for it."""
+    before = endpoint.counters()
+    result = endpoint.complete(prompt, max_tokens)
+    return result, _claimed(endpoint, before)
+
+
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
     """One unmeasured donor and target (another instruction over a short real document), as
     ``vllm bench serve`` warms up: the server's first hit pays one-time loads (the alignment's
@@ -96,10 +103,9 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
             if donors:
                 before, to_capture = endpoint.counters(), 0
                 for d in donors:
-                    ahead = endpoint.counters()
-                    sent = endpoint.complete(d.prompt, max_tokens=2)
+                    sent, claimed = _served(endpoint, d.prompt, max_tokens=2)
                     # a donor served from another donor is not kept itself: nothing to wait for
-                    to_capture += _claimed(endpoint, ahead) < 0.5 * (sent.prompt_tokens or 1)
+                    to_capture += claimed < 0.5 * (sent.prompt_tokens or 1)
                 wait_for_donors(endpoint, before, to_capture, donor_wait_s)
             for r in (r for r in members if r.role == "target"):
                 salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
@@ -108,16 +114,11 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
                     return endpoint.complete(r.prompt, max_tokens, cache_salt=salt,
                                              kv_transfer_params=OPT_OUT)
 
-                def served():
-                    before = endpoint.counters()
-                    result = endpoint.complete(r.prompt, max_tokens)
-                    return result, _claimed(endpoint, before)
-
                 if len(out) % 2:
                     c = cold()
-                    s, claimed = served()
+                    s, claimed = _served(endpoint, r.prompt, max_tokens)
                 else:
-                    s, claimed = served()
+                    s, claimed = _served(endpoint, r.prompt, max_tokens)
                     c = cold()
                 out.append(Measured(r, c, s, claimed))
                 if on_result is not None:

@@ -64,11 +64,6 @@ class GramTable:
     def remove(self, key: Hashable) -> None:
         self._grams.pop(key, None)   # its merged rows are skipped until the next merge
 
-    def best_share(self, grams: np.ndarray) -> float:
-        """The largest share of ``grams`` (a prompt's sample) that one donor holds."""
-        top = self.top(grams, 1)
-        return top[0][1] if top else 0.0
-
     def top(self, grams: np.ndarray, k: int) -> list[tuple[Hashable, float]]:
         """The ``k`` donors holding the largest shares of ``grams``, best first (none: [])."""
         if len(grams) == 0 or not self._grams:

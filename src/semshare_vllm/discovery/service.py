@@ -50,7 +50,7 @@ BACKGROUND_NICE = 10
 @dataclass
 class Lookup:
     candidates: list[Candidate]
-    embedding: DocumentEmbedding | None   # None when a near-duplicate made it unnecessary
+    embedding: DocumentEmbedding | None   # None when SimHash or shared grams answered
     fingerprint: int
     embed_ms: float = 0.0
     no_shared_grams: bool = False         # answered without embedding: no donor shares grams
