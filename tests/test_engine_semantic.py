@@ -3,6 +3,8 @@ vLLM's prefix caching ON): discovery finds the donor, alignment maps it, the wor
 with RoPE correction and repairs it (CacheBlend), and the approximate blocks never become exact
 prefix-cache hits."""
 
+import math
+
 import pytest
 
 from semshare_vllm.testbed import models, offline
@@ -144,3 +146,47 @@ def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(llm, sch
     assert got["token_ids"] == references["gone_b"]["token_ids"]  # ...and vLLM computed it
     run(llm, prompts["c"])                                         # the report comes back
     assert key not in sched.index                                  # forgotten
+
+
+def score(llm, prompt: list[int], limit: int | None = None, salt: str | None = None):
+    """Prompt logprobs of ``prompt``: (logprob, rank) of each token from the second on."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"semshare_reuse_limit": limit}} if limit is not None else None
+    request = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    out = llm.generate([request],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                      extra_args=extra), use_tqdm=False)[0]
+    rows = out.prompt_logprobs[1:]
+    return [(row[tok].logprob, row[tok].rank) for row, tok in zip(rows, prompt[1:])]
+
+
+def test_a_continuation_is_scored_after_a_reused_prompt(llm, sched, worker, prompts, tok):
+    """``semshare_reuse_limit``: a request asking for prompt logprobs (which turns vLLM's prefix
+    caching off) gets the target prompt from a semantic hit and vLLM's own scores for the
+    continuation after it; the served rows are marked (rank 0), never uninitialised."""
+    run(llm, prompts["a"])
+    donor_ready(llm, sched, worker, prompts["c"])
+    head = prompts["b"]
+    continuation = tok(" The article describes the history of the subject and its most "
+                       "important events.", add_special_tokens=False)["input_ids"]
+    full = head + continuation
+    # no limit: vLLM computes everything (another tenant: this exact prompt is no donor for ours)
+    cold = score(llm, full, salt="scoring-cold")
+    before = totals(sched, worker)
+    hit = score(llm, full, limit=len(head) - 1)
+    after = totals(sched, worker)
+    claimed = after["hit_tokens"] - before.get("hit_tokens", 0)
+    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1, \
+        {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert 0.7 * len(head) <= claimed <= len(head) - 1
+    assert {rank for _, rank in hit[:claimed - 1]} == {0}            # served: marked
+    assert all(rank >= 1 for _, rank in hit[len(head) - 1:])         # scored by vLLM
+    tail_hit = [lp for lp, _ in hit[len(head) - 1:]]
+    tail_cold = [lp for lp, _ in cold[len(head) - 1:]]
+    assert len(tail_hit) == len(continuation)
+    ratio = math.exp((sum(tail_cold) - sum(tail_hit)) / len(continuation))
+    assert 0.8 < ratio < 1.25, ratio               # perplexity hit / cold
+    assert all(rank >= 1 for _, rank in cold)

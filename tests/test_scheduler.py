@@ -161,3 +161,57 @@ def test_a_fault_after_vllm_took_the_claim_has_the_worker_report_the_blocks_fail
     load = s.build_connector_meta(None).loads[0]
     assert load.policy == "fail" and (load.dst_start, load.num_tokens) == (0, 128)
     assert s.stats.totals["fallbacks"] == 1
+
+
+def scoring_request(req_id, tokens, limit):
+    r = request(req_id, tokens)
+    r.kv_transfer_params = {"semshare_reuse_limit": limit} if limit is not None else None
+    r.sampling_params = SimpleNamespace(prompt_logprobs=0)
+    r.skip_reading_prefix_cache = True       # what vLLM sets for prompt logprobs
+    return r
+
+
+def test_prompt_logprobs_requests_are_served_only_up_to_their_reuse_limit():
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    donor = list(range(200))
+    finish(s, donor)
+    s.build_connector_meta(None)
+    # No limit: vLLM would drop any claim; no lookup, and the flag is left as vLLM set it.
+    plain = scoring_request("p", donor[:180], None)
+    assert s.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert plain.skip_reading_prefix_cache and "lookups" not in s.stats.totals
+    # A limit: the claim ends on the block at or below it; the flag is off only for vLLM's
+    # check right after asking us, and the worker is told to mark the served rows.
+    scored = scoring_request("s", donor[:180], 100)
+    assert s.get_num_new_matched_tokens(scored, 0) == (96, False)
+    assert not scored.skip_reading_prefix_cache
+    s.update_state_after_alloc(scored, Blocks(list(range(10, 16))), 96)
+    assert scored.skip_reading_prefix_cache
+    load = s.build_connector_meta(None).loads[0]
+    assert (load.num_tokens, load.mark_logprobs_until) == (96, 96)
+    # Offered but not allocated this step: set back at the end of the step.
+    again = scoring_request("a", donor[:180], 100)
+    s.get_num_new_matched_tokens(again, 0)
+    s.build_connector_meta(None)
+    assert again.skip_reading_prefix_cache
+    # A limit alone (no prompt logprobs) only shortens the claim.
+    short = request("l", donor[:180])
+    short.kv_transfer_params = {"semshare_reuse_limit": 70}
+    assert s.get_num_new_matched_tokens(short, 0) == (64, False)
+    # A malformed limit is ignored.
+    short.kv_transfer_params = {"semshare_reuse_limit": "ten"}
+    assert s.get_num_new_matched_tokens(short, 0) == (160, False)
+
+
+def test_marked_rows_hold_the_prompt_tokens_with_rank_zero():
+    from semshare_vllm.prompt_logprobs import mark_served_rows
+
+    state = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8, 9], in_progress_prompt_logprobs_cpu=None)
+    runner = SimpleNamespace(requests={"r": state}, num_prompt_logprobs={"r": 2})
+    assert mark_served_rows(runner, "r", 3)
+    rows = state.in_progress_prompt_logprobs_cpu
+    assert rows.logprobs.shape == (4, 3)
+    assert rows.logprob_token_ids[:3].tolist() == [[6] * 3, [7] * 3, [8] * 3]
+    assert rows.logprobs[:3].eq(0).all() and rows.selected_token_ranks[:3].tolist() == [0, 0, 0]
+    assert not mark_served_rows(runner, "other", 3)
+    assert not mark_served_rows(SimpleNamespace(), "r", 3)

@@ -55,6 +55,9 @@ class LoadSpec:
     # Semantic loads: the donor position of each loaded position (-1: none), in place of the
     # contiguous copy from ``src_start``. K is RoPE-corrected from donor to target positions.
     donor_pos: list[int] | None = None
+    # A request asking for prompt logprobs (``semshare_reuse_limit``): the worker marks the rows
+    # of positions [0, mark_logprobs_until) as served, not computed (``prompt_logprobs``).
+    mark_logprobs_until: int = 0
 
 
 @dataclass

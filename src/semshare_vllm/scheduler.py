@@ -73,6 +73,29 @@ def reuse_mode(request) -> str:
         return "auto"
     return mode
 
+def reuse_limit(request) -> int | None:
+    """``kv_transfer_params`` ``"semshare_reuse_limit": N``: reuse KV for at most the prompt's
+    first N tokens; vLLM computes the rest. With it a request may also ask for prompt logprobs
+    (vLLM's own prefix cache stays off for those): the positions from N on are scored by vLLM,
+    the ones served are marked (``prompt_logprobs``)."""
+    params = getattr(request, "kv_transfer_params", None)
+    limit = params.get("semshare_reuse_limit") if isinstance(params, dict) else None
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        if "limit" not in _bad_modes_logged:
+            _bad_modes_logged.add("limit")
+            logger.warning("SemShare: kv_transfer_params semshare_reuse_limit=%r is not a "
+                           "non-negative integer; ignored", limit)
+        return None
+    return limit
+
+
+def wants_prompt_logprobs(request) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "prompt_logprobs", None) is not None
+
+
 # How often (at most) the donors' embeddings are written beside their KV files.
 SNAPSHOT_INTERVAL_S = 30.0
 
@@ -127,6 +150,7 @@ class SemShareScheduler:
         self.recompute_ready = False                    # the worker said it can repair
         # req_id -> match offered this step: an exact prefix, or a semantic plan
         self._matches: dict[str, PrefixMatch | SemanticPlan] = {}
+        self._scoring: dict[str, object] = {}   # requests we let past skip_reading_prefix_cache
         self._loads: list[LoadSpec] = []
         self._captures: list[CaptureSpec] = []
         self._evictions: list[DonorKey] = []
@@ -279,9 +303,20 @@ class SemShareScheduler:
         mode = reuse_mode(request)
         if mode != "auto" and request.request_id not in self._looked_up:
             self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
+        scoring = getattr(request, "skip_reading_prefix_cache", False)
+        if scoring and not (wants_prompt_logprobs(request) and reuse_limit(request) is not None):
+            mode = "off"      # vLLM would drop the claim (prompt logprobs, pooling): no lookup
         if mode == "off":
             self._looked_up.add(request.request_id)
             return 0, False
+        if scoring:
+            # Prompt logprobs with a reuse limit. Right after asking us, vLLM drops our answer
+            # (a claim, or "wait" for the search) for requests that skip reading caches: clear the
+            # flag for this step, and have the worker mark the rows it serves. It is set back once
+            # a claim is allocated, or at the end of the step, so that vLLM's own prefix cache
+            # (looked up before us) never serves such a request.
+            request.skip_reading_prefix_cache = False
+            self._scoring[request.request_id] = request
         if request.request_id not in self._looked_up:  # vLLM re-asks while it cannot schedule
             self._looked_up.add(request.request_id)
             self.stats.add("lookups")
@@ -347,6 +382,9 @@ class SemShareScheduler:
             self._aligned.pop(rid, None)
             return None
         end = request.num_prompt_tokens - 1          # vLLM computes the last prompt token
+        limit = reuse_limit(request)
+        if limit is not None:
+            end = min(end, limit)
         if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
             return None
         if coverage(al, num_computed, end) < self.config.min_alignment_coverage and \
@@ -374,7 +412,9 @@ class SemShareScheduler:
     def _claim_limit(self, request) -> int:
         """vLLM must compute at least one token itself, and our claims end on a block boundary."""
         bs = self.geometry.block_size
-        return ((request.num_tokens - 1) // bs) * bs
+        limit = reuse_limit(request)
+        end = request.num_tokens - 1 if limit is None else min(request.num_tokens - 1, limit)
+        return (end // bs) * bs
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
@@ -391,6 +431,9 @@ class SemShareScheduler:
                     policy="fail"))
 
     def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        scoring = self._scoring.pop(request.request_id, None) is not None
+        if scoring:
+            request.skip_reading_prefix_cache = True
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
             return
@@ -416,6 +459,8 @@ class SemShareScheduler:
             if self.config.recompute_policy == "all":  # exact loads are repaired only in "all"
                 spec.policy = "all"
                 spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
+        if scoring:
+            spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
         self.index.touch(spec.key)
         record = self.index.get(spec.key)
         if record is not None:
@@ -429,6 +474,9 @@ class SemShareScheduler:
                                          loads=self._loads)
         self._evictions, self._captures, self._loads = [], [], []
         self._matches.clear()
+        for request in self._scoring.values():    # offered, not allocated this step
+            request.skip_reading_prefix_cache = True
+        self._scoring.clear()
         self._absorb_embeddings()
         self._maybe_snapshot()
         return meta

@@ -41,6 +41,7 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
+from semshare_vllm.prompt_logprobs import mark_served_rows
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange, stage_rows
 from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
@@ -212,6 +213,15 @@ class SemShareWorker:
 
     def _load(self, spec: LoadSpec) -> None:
         if spec.policy == "fail":   # the scheduler could not plan this load: vLLM computes it
+            self._invalidate(spec)
+            self.stats.add("load_failures")
+            return
+        if spec.mark_logprobs_until and not mark_served_rows(
+                model_hook.loaded_runner(self._vllm_config), spec.req_id,
+                spec.mark_logprobs_until):
+            # no rows to mark (another runner): vLLM computes, and scores, every position
+            warn_once(logger, "logprobs", "SemShare: cannot mark the prompt logprobs of request "
+                      "%s; its prompt is computed", spec.req_id)
             self._invalidate(spec)
             self.stats.add("load_failures")
             return

@@ -35,9 +35,11 @@ RUNNERS = (
 CONNECTOR_NAME = "SemShareConnector"
 
 _lock = threading.Lock()
-# id(vllm_config) -> the model loaded for it, held weakly: an engine shut down in a process that
-# starts another (tests, notebooks) must not keep its model alive through us.
+# id(vllm_config) -> the model loaded for it, and the runner that loaded it (whose per-request
+# state ``prompt_logprobs`` reaches), held weakly: an engine shut down in a process that starts
+# another (tests, notebooks) must not keep its model alive through us.
 _models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _installed: list[str] = []
 
 
@@ -63,6 +65,7 @@ def _wrap(cls) -> bool:
         if model is not None and ours(config):
             with _lock:
                 _models[id(config)] = model
+                _runners[id(config)] = self
         return result
 
     load_model._semshare_wrapped = True
@@ -125,16 +128,25 @@ def install() -> None:
                        "off", exc_info=True)
 
 
-def loaded_model(vllm_config):
-    """The model this process loaded for ``vllm_config`` (None when the hook did not see it).
-    A worker process serves one engine, so a single live recorded model also answers when the
+def _recorded(table: weakref.WeakValueDictionary, vllm_config):
+    """A worker process serves one engine, so a single live entry also answers when the
     connector's config object is a copy of the runner's."""
     with _lock:
-        model = _models.get(id(vllm_config))
-        if model is None:
-            live = list(_models.values())
-            model = live[0] if len(live) == 1 else None
-        return model
+        found = table.get(id(vllm_config))
+        if found is None:
+            live = list(table.values())
+            found = live[0] if len(live) == 1 else None
+        return found
+
+
+def loaded_model(vllm_config):
+    """The model this process loaded for ``vllm_config`` (None when the hook did not see it)."""
+    return _recorded(_models, vllm_config)
+
+
+def loaded_runner(vllm_config):
+    """The model runner that loaded it (None when the hook did not see it)."""
+    return _recorded(_runners, vllm_config)
 
 
 def installed() -> list[str]:
