@@ -38,18 +38,30 @@ def test_workloads_are_real_text_sized_and_seeded(sizer, name):
         assert all(r.answer and r.answer in r.prompt for r in reqs)
     if name == "edit":
         assert sorted({r.level for r in targets}) == list(W.EDIT_LEVELS)
+    # held-out references: text the prompt should make likely, never in the prompt itself
+    if name in ("cross-instruction", "negative", "edit"):
+        assert all(30 <= sizer.count(r.reference) <= W.REFERENCE_TOKENS + 2 and
+                   r.reference not in r.prompt for r in targets)
+    if name == "doc-qa":
+        assert all(r.reference == " " + r.answer for r in targets)
+    if name == "multi-turn":
+        assert sum(r.reference is not None and r.reference not in r.prompt
+                   for r in targets) >= len(targets) - 1
+    if name == "rag-reorder":
+        assert all(r.reference is None for r in reqs)
 
 
 def test_workload_file_errors_name_the_line(tmp_path):
     good = tmp_path / "w.jsonl"
     good.write_text('{"prompt": "a donor text", "group": "g", "role": "donor"}\n\n'
-                    '{"prompt": "a target text", "group": "g", "answer": "x"}\n')
+                    '{"prompt": "a target text", "group": "g", "answer": "x", "reference": " y"}\n')
     reqs = W.load_file(good)
-    assert [(r.group, r.role, r.answer) for r in reqs] == [("g", "donor", None),
-                                                         ("g", "target", "x")]
+    assert [(r.group, r.role, r.answer, r.reference) for r in reqs] == [
+        ("g", "donor", None, None), ("g", "target", "x", " y")]
     for line, why in [('{"group": "g"}', "missing 'prompt'"),
                       ('{"prompt": "p", "role": "teacher"}', "'role' must be"),
-                      ("not json", "line 2"), ('["a list"]', "not a JSON object")]:
+                      ("not json", "line 2"), ('["a list"]', "not a JSON object"),
+                      ('{"prompt": "p", "reference": 3}', "'reference' must be")]:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"prompt": "fine"}\n' + line + "\n")
         with pytest.raises(W.WorkloadError, match="line 2"):
@@ -113,6 +125,10 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
         assert by[name]["cold"]["median_ttft_ms"] > 0 and by[name]["hit_only_speedup"] > 0
     assert by["negative"]["hits"] == 0 and by["negative"]["miss_overhead"] is not None
     assert by["doc-qa"]["accuracy_cold"] is not None
+    # references scored after hits: vLLM's prompt logprobs, the connector serving the prompt
+    for name in ("cross-instruction", "doc-qa"):
+        assert 0.5 < by[name]["perplexity_ratio_hits"] < 2.0, (name, by[name])
+    assert by["rag-reorder"]["perplexity_ratio_hits"] is None
     assert set(by["edit"]["by_edit_level"]) == {f"{x:.1f}" for x in W.EDIT_LEVELS}
     rows = result["results"]["512"]["requests"]
     assert all(r["cold_output"] and r["semshare_output"] for r in rows)

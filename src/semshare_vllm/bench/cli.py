@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="longest wait for a group's donors to be captured and embedded")
     p.add_argument("--extra-config", type=json.loads, default={},
                    help="--launch: connector keys as JSON (kv_connector_extra_config)")
+    p.add_argument("--no-perplexity", dest="perplexity", action="store_false",
+                   help="skip scoring the held-out references (two prompt-logprob requests "
+                   "per target)")
     p.add_argument("--out", default="semshare-bench.json", help="JSON result file")
     p.add_argument("--plots", help="directory for PNG plots (needs matplotlib)")
     args = p.parse_args(argv)
@@ -62,11 +65,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _progress(m: Measured, done: int, total: int) -> None:
-    print(f"  [{done}/{total}] {m.request.group:<22} cold {m.cold.ttft_s * 1e3:7.0f} ms   "
-          f"served {m.served.ttft_s * 1e3:7.0f} ms   "
-          f"{'hit' if m.hit else 'miss'} ({m.connector_tokens}/{m.prompt_tokens} tokens)",
-          flush=True)
+class _Progress:
+    """A progress bar over one context length's targets, with the last one's figures."""
+
+    def __init__(self, total: int, tokens: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=f"{tokens:>6} tokens", unit="target",
+                        dynamic_ncols=True, mininterval=1.0)
+        self.hits = 0
+
+    def __call__(self, m: Measured, done: int, total: int) -> None:
+        self.hits += m.hit
+        self.bar.set_postfix_str(
+            f"{m.request.workload}: cold {m.cold.ttft_s * 1e3:.0f} ms, served "
+            f"{m.served.ttft_s * 1e3:.0f} ms ({'hit' if m.hit else 'miss'}); "
+            f"hits {self.hits}/{done}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
@@ -84,7 +102,12 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
                         for r in workloads.build(name, args.groups, tokens, sizer, args.seed)]
         print(f"\n{len(requests)} requests at ~{tokens} tokens "
               f"({sum(r.role == 'target' for r in requests)} targets, cold and served):")
-        results = run(endpoint, requests, args.max_tokens, args.donor_wait_s, _progress)
+        progress = _Progress(sum(r.role == "target" for r in requests), tokens)
+        try:
+            results = run(endpoint, requests, args.max_tokens, args.donor_wait_s, progress,
+                          perplexity=args.perplexity)
+        finally:
+            progress.close()
         interrupted = len(results) < sum(r.role == "target" for r in requests)
         if results:
             summaries[tokens] = report.summarize(results)

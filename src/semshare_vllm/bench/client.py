@@ -4,6 +4,7 @@ connector's Prometheus counters."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -97,3 +98,31 @@ class Endpoint:
         return Completion("".join(text), ttft if ttft is not None else float("nan"),
                           time.perf_counter() - t0, details.get("cached_tokens"),
                           usage.get("prompt_tokens"))
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` under the served model's tokenizer (vLLM's ``/tokenize``)."""
+        resp = requests.post(self.url + "/tokenize", json={
+            "model": self.model, "prompt": text, "add_special_tokens": add_special_tokens},
+            timeout=self.timeout_s)
+        resp.raise_for_status()
+        return resp.json()["tokens"]
+
+    def reference_nll(self, prompt: str, reference: str, reuse: bool,
+                      cache_salt: str | None = None) -> float:
+        """Mean negative log-likelihood of ``reference`` after ``prompt`` (nats per token), from
+        vLLM's prompt logprobs. ``reuse``: the connector may serve the prompt (its reuse is
+        limited to the prompt, so vLLM scores every reference token); else it is opted out."""
+        head = self.tokenize(prompt)
+        tail = self.tokenize(reference, add_special_tokens=False)
+        if not tail:
+            return float("nan")
+        params = {"semshare_reuse_limit": len(head) - 1} if reuse else {"semshare": "off"}
+        body = {"model": self.model, "prompt": head + tail, "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": 0, "kv_transfer_params": params}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        resp = requests.post(self.url + "/v1/completions", json=body, timeout=self.timeout_s)
+        resp.raise_for_status()
+        rows = resp.json()["choices"][0]["prompt_logprobs"][len(head):]
+        nll = [-row[str(tok)]["logprob"] for row, tok in zip(rows, tail)]
+        return math.fsum(nll) / len(nll)

@@ -5,6 +5,7 @@ that a drifting machine favours neither."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ class Measured:
     cold: Completion
     served: Completion          # through the connector
     connector_tokens: int       # prompt tokens the connector claimed for it (counter delta)
+    # The reference's mean NLL after the prompt (nats per token), cold and through the
+    # connector, and the prompt tokens the connector claimed for the latter (None: not scored)
+    cold_nll: float | None = None
+    served_nll: float | None = None
+    scored_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -31,6 +37,15 @@ class Measured:
     def hit(self) -> bool:
         """The connector served at least half of the prompt."""
         return self.prompt_tokens > 0 and self.connector_tokens >= 0.5 * self.prompt_tokens
+
+    @property
+    def perplexity_ratio(self) -> float | None:
+        """The reference's perplexity after a hit over its perplexity cold (None unless the
+        scoring request was a hit too)."""
+        if self.cold_nll is None or self.served_nll is None or \
+                self.scored_tokens < 0.5 * max(self.prompt_tokens, 1):
+            return None
+        return math.exp(self.served_nll - self.cold_nll)
 
 
 def wait_for_donors(endpoint: Endpoint, before: dict[str, float], donors: int,
@@ -87,11 +102,23 @@ def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
     endpoint.complete("Read the following and list its places.\n\n" + doc, max_tokens=2)
 
 
+def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
+    """The reference's NLL after the prompt, cold (opted out, its own salt) and through the
+    connector (reuse limited to the prompt)."""
+    r = m.request
+    m.cold_nll = endpoint.reference_nll(r.prompt, r.reference, reuse=False, cache_salt=salt)
+    before = endpoint.counters()
+    m.served_nll = endpoint.reference_nll(r.prompt, r.reference, reuse=True)
+    m.scored_tokens = _claimed(endpoint, before)
+
+
 def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
         donor_wait_s: float = 60.0,
-        on_result: Callable[[Measured, int, int], None] | None = None) -> list[Measured]:
-    """Donors of each group first, then its targets (cold and served). A KeyboardInterrupt
-    stops the run; what was measured so far is returned."""
+        on_result: Callable[[Measured, int, int], None] | None = None,
+        perplexity: bool = True) -> list[Measured]:
+    """Donors of each group first, then its targets (cold and served; with ``perplexity``, then
+    their reference scored both ways). A KeyboardInterrupt stops the run; what was measured so
+    far is returned."""
     groups: dict[str, list[BenchRequest]] = {}
     for r in requests:
         groups.setdefault(r.group, []).append(r)
@@ -120,7 +147,10 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
                 else:
                     s, claimed = _served(endpoint, r.prompt, max_tokens)
                     c = cold()
-                out.append(Measured(r, c, s, claimed))
+                m = Measured(r, c, s, claimed)
+                if perplexity and r.reference:
+                    _score(endpoint, m, salt)
+                out.append(m)
                 if on_result is not None:
                     on_result(out[-1], len(out), total)
     except KeyboardInterrupt:

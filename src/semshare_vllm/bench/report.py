@@ -1,11 +1,13 @@
 """From measured requests to figures: per workload and context length, the TTFT statistics under
 ``vllm bench serve``'s names (``median_ttft_ms``, ``p99_ttft_ms``, ...) for cold and served
 requests, and ours: hit rate, hit-only speed-up, blended speed-up, miss overhead, ROUGE-L of the
-served output against cold's, accuracy where answers are checkable."""
+served output against cold's, the perplexity ratio (hit over cold) of held-out reference text,
+accuracy where answers are checkable."""
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -55,6 +57,9 @@ def summarize(results: list[Measured]) -> dict:
             if misses else None,
             "rouge_l_hits": statistics.median(rouge_l(m.served.text, m.cold.text)
                                               for m in hits) if hits else None,
+            "perplexity_ratio_hits": _median(m.perplexity_ratio for m in hits),
+            "reference_perplexity_cold": _median(math.exp(m.cold_nll) for m in rows
+                                                 if m.cold_nll is not None),
             "accuracy_semshare": sum(_correct(m.served.text, m.request.answer)
                                      for m in checked) / len(checked) if checked else None,
             "accuracy_cold": sum(_correct(m.cold.text, m.request.answer)
@@ -67,10 +72,17 @@ def summarize(results: list[Measured]) -> dict:
                                                   if m.request.level == lvl]),
                                "rouge_l": statistics.median(
                                    rouge_l(m.served.text, m.cold.text)
-                                   for m in rows if m.request.level == lvl)}
+                                   for m in rows if m.request.level == lvl),
+                               "perplexity_ratio": _median(
+                                   m.perplexity_ratio for m in rows if m.request.level == lvl)}
                 for lvl in levels}
         out[name] = summary
     return out
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _mean(flags) -> float:
@@ -89,7 +101,10 @@ def request_rows(results: list[Measured]) -> list[dict]:
              "cached_tokens": m.served.cached_tokens, "hit": m.hit,
              "cold_ttft_ms": m.cold.ttft_s * 1e3, "semshare_ttft_ms": m.served.ttft_s * 1e3,
              "cold_e2el_ms": m.cold.total_s * 1e3, "semshare_e2el_ms": m.served.total_s * 1e3,
-             "cold_output": m.cold.text, "semshare_output": m.served.text}
+             "cold_output": m.cold.text, "semshare_output": m.served.text,
+             "reference_nll_cold": m.cold_nll, "reference_nll_semshare": m.served_nll,
+             "reference_connector_tokens": m.scored_tokens,
+             "perplexity_ratio": m.perplexity_ratio}
             for m in results]
 
 
@@ -100,8 +115,9 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def table(summaries: dict[int, dict[str, dict]]) -> str:
     """A console table: one row per context length and workload."""
     lines = ["| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
-             "| blended | miss overhead | ROUGE-L (hits) | accuracy (served / cold) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| blended | miss overhead | ROUGE-L (hits) | PPL ratio (hits) "
+             "| accuracy (served / cold) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
             acc = "-" if s["accuracy_semshare"] is None else \
@@ -113,7 +129,7 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s['hit_only_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['blended_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['miss_overhead'], '+.1%')} | {_fmt(s['rouge_l_hits'], '.2f')} | "
-                f"{acc} |")
+                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,13 @@ A group with no donor measures misses (``negative``).
   (SemShareKV's sweep; ``level``);
 * ``multi-turn``: ShareGPT conversations turn by turn (each turn's prompt holds the ones before);
 * ``negative``: unrelated documents, no donor;
-* a user's JSONL file: ``{"prompt", "group", "role": "donor"|"target", "answer"?}`` per line.
+* a user's JSONL file: ``{"prompt", "group", "role": "donor"|"target", "answer"?,
+  "reference"?}`` per line.
+
+Targets carry a ``reference`` where one exists: held-out text the prompt should make likely,
+whose perplexity after the prompt is measured cold and after a hit. Documents: the source text
+that follows the document (kept out of the prompt); doc-qa: the answer; multi-turn: the reply the
+assistant really gave in ShareGPT. rag-reorder has none (its questions have no reference answer).
 
 Context length is in tokens of ``tokenizer`` when given, else estimated at 4 characters a token.
 """
@@ -31,6 +37,7 @@ from semshare_vllm.testbed.text import sharegpt_conversations, wiki_document, wi
 WORKLOADS = ("cross-instruction", "rag-reorder", "doc-qa", "edit", "multi-turn", "negative")
 EDIT_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CHARS_PER_TOKEN = 4
+REFERENCE_TOKENS = 48          # length of a held-out continuation
 
 
 class WorkloadError(ValueError):
@@ -45,6 +52,7 @@ class BenchRequest:
     prompt: str
     answer: str | None = None     # doc-qa: text the answer must contain
     level: float | None = None    # edit: share of sentences changed
+    reference: str | None = None  # held-out text scored after the prompt (perplexity)
 
 
 class Sizer:
@@ -58,6 +66,14 @@ class Sizer:
             return text[:tokens * CHARS_PER_TOKEN]
         ids = self.tok(text, add_special_tokens=False)["input_ids"][:tokens]
         return self.tok.decode(ids)
+
+    def split(self, text: str, tokens: int, more: int) -> tuple[str, str]:
+        """The first ``tokens`` tokens of ``text`` and the ``more`` tokens after them."""
+        if self.tok is None:
+            cut = tokens * CHARS_PER_TOKEN
+            return text[:cut], text[cut:cut + more * CHARS_PER_TOKEN]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.tok.decode(ids[:tokens]), self.tok.decode(ids[tokens:tokens + more])
 
     def count(self, text: str) -> int:
         if self.tok is None:
@@ -87,11 +103,12 @@ def load_file(path: str | Path) -> list[BenchRequest]:
                 raise ValueError("'prompt' must be a non-empty string")
             if role not in ("donor", "target"):
                 raise ValueError(f"'role' must be \"donor\" or \"target\", not {role!r}")
-            answer = item.get("answer")
-            if answer is not None and not isinstance(answer, str):
-                raise ValueError("'answer' must be a string")
+            answer, reference = item.get("answer"), item.get("reference")
+            for key, value in (("answer", answer), ("reference", reference)):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ValueError(f"'{key}' must be a non-empty string")
             out.append(BenchRequest("file", str(item.get("group", f"line-{number}")), role,
-                                    prompt, answer))
+                                    prompt, answer, reference=reference))
         except (ValueError, KeyError, TypeError) as exc:
             reason = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise WorkloadError(f"{path}, line {number}: {reason}") from None
@@ -101,20 +118,22 @@ def load_file(path: str | Path) -> list[BenchRequest]:
 
 
 # ---- builders ------------------------------------------------------------------------------------
-def _document(rng: random.Random, tokens: int, sizer: Sizer) -> str:
+def _document(rng: random.Random, tokens: int, sizer: Sizer) -> tuple[str, str]:
+    """A document of ``tokens`` tokens, and the source text that follows it (the reference)."""
     start = rng.randrange(len(wiki_extracts()))
-    return sizer.cut(wiki_document(start, tokens * CHARS_PER_TOKEN * 2), tokens)
+    source = wiki_document(start, (tokens + REFERENCE_TOKENS) * CHARS_PER_TOKEN * 2)
+    return sizer.split(source, tokens, REFERENCE_TOKENS)
 
 
 def _cross_instruction(groups, tokens, sizer, rng):
     out = []
     for g in range(groups):
-        doc = _document(rng, tokens, sizer)
+        doc, following = _document(rng, tokens, sizer)
         group = f"cross-instruction-{g}"
         out += [BenchRequest("cross-instruction", group, "donor",
                              P.wrap(rng.choice(P.DONOR_TEMPLATES), doc)),
                 BenchRequest("cross-instruction", group, "target",
-                             P.wrap(rng.choice(P.TARGET_TEMPLATES), doc))]
+                             P.wrap(rng.choice(P.TARGET_TEMPLATES), doc), reference=following)]
     return out
 
 
@@ -151,22 +170,22 @@ def _doc_qa(groups, tokens, sizer, rng):
     facts = P.fact_document()
     for g in range(groups):
         pad = max(tokens - sizer.count(facts) - 40, 128)
-        doc = facts + "\n\n" + _document(rng, pad, sizer)
+        doc = facts + "\n\n" + _document(rng, pad, sizer)[0]
         group = f"doc-qa-{g}"
         questions = P.FACT_QUESTIONS[g % len(P.FACT_QUESTIONS):] + \
             P.FACT_QUESTIONS[:g % len(P.FACT_QUESTIONS)]        # each group asks another first
         (q0, a0), *rest = questions
         out.append(BenchRequest("doc-qa", group, "donor", P.fact_prompt(doc, q0), a0))
-        out += [BenchRequest("doc-qa", group, "target", P.fact_prompt(doc, q), a)
-                for q, a in rest]
+        out += [BenchRequest("doc-qa", group, "target", P.fact_prompt(doc, q), a,
+                             reference=" " + a) for q, a in rest]
     return out
 
 
 def _edit(groups, tokens, sizer, rng):
     out = []
     for g in range(groups):
-        doc = _document(rng, tokens, sizer)
-        filler = P.split_sentences(_document(rng, tokens, sizer))
+        doc, following = _document(rng, tokens, sizer)
+        filler = P.split_sentences(_document(rng, tokens, sizer)[0])
         template = rng.choice(P.DONOR_TEMPLATES)
         op = "delete" if g % 2 == 0 else "replace"
         group = f"edit-{g}"
@@ -174,7 +193,7 @@ def _edit(groups, tokens, sizer, rng):
         for level in EDIT_LEVELS:
             edited = P.edit_document(doc, level, op, rng, filler)
             out.append(BenchRequest("edit", group, "target", P.wrap(template, edited),
-                                    level=level))
+                                    level=level, reference=following))
     return out
 
 
@@ -199,10 +218,10 @@ def _multi_turn(groups, tokens, sizer, rng):
                 sizer.count(_chat(msgs[:humans[0] + 1])) < 64:
             continue
         group = f"multi-turn-{g}"
-        prompts = [_chat(msgs[:h + 1]) for h in humans if sizer.count(_chat(msgs[:h + 1]))
-                   <= tokens]
-        out.append(BenchRequest("multi-turn", group, "donor", prompts[0]))
-        out += [BenchRequest("multi-turn", group, "target", p) for p in prompts[1:]]
+        turns = [h for h in humans if sizer.count(_chat(msgs[:h + 1])) <= tokens]
+        out.append(BenchRequest("multi-turn", group, "donor", _chat(msgs[:turns[0] + 1])))
+        out += [BenchRequest("multi-turn", group, "target", _chat(msgs[:h + 1]),
+                             reference=_reply(msgs, h, sizer)) for h in turns[1:]]
         g += 1
         if g == groups:
             break
@@ -212,10 +231,21 @@ def _multi_turn(groups, tokens, sizer, rng):
     return out
 
 
+def _reply(msgs: list[tuple[str, str]], turn: int, sizer: Sizer) -> str | None:
+    """The start of the reply the assistant gave to ``turn`` (the reference), if any."""
+    if turn + 1 >= len(msgs) or msgs[turn + 1][0] != "gpt":
+        return None
+    return " " + sizer.split(msgs[turn + 1][1], REFERENCE_TOKENS, 0)[0]
+
+
 def _negative(groups, tokens, sizer, rng):
-    return [BenchRequest("negative", f"negative-{g}", "target",
-                         P.wrap(rng.choice(P.DONOR_TEMPLATES), _document(rng, tokens, sizer)))
-            for g in range(groups)]
+    out = []
+    for g in range(groups):
+        template = rng.choice(P.DONOR_TEMPLATES)
+        doc, following = _document(rng, tokens, sizer)
+        out.append(BenchRequest("negative", f"negative-{g}", "target", P.wrap(template, doc),
+                                reference=following))
+    return out
 
 
 _BUILDERS: dict[str, Callable] = {
