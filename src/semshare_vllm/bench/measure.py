@@ -41,8 +41,9 @@ class Measured:
     @property
     def perplexity_ratio(self) -> float | None:
         """The reference's perplexity after a hit over its perplexity cold (None unless the
-        scoring request was a hit too)."""
-        if self.cold_nll is None or self.served_nll is None or \
+        target and its scoring request were both hits: after a miss, the scoring request reuses
+        the served request's own exact KV)."""
+        if not self.hit or self.cold_nll is None or self.served_nll is None or \
                 self.scored_tokens < 0.5 * max(self.prompt_tokens, 1):
             return None
         return math.exp(self.served_nll - self.cold_nll)
