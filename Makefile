@@ -15,7 +15,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv models test demo bench clean
+.PHONY: venv models redis test demo bench clean
 
 $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,7 +31,16 @@ venv: $(VENV)/.installed
 models: venv
 	$(PY) -m semshare_vllm.testbed.models smollm2 tiny
 
-test: models
+# A real Redis for the LMCache remote-backend tests (Debian's package; the tests start and stop
+# their own servers on loopback, so none is left running).
+redis:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+			redis-server || { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends redis-server; }; }
+
+test: models redis
 	$(PY) -m pytest tests -v
 
 # A short semshare-bench run on a local vllm serve (SmolLM2-135M; the GPU when there is one).

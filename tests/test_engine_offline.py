@@ -132,7 +132,7 @@ def test_poisoned_donor_changes_output(llm, sched, worker, cases, reference):
     run(llm, cases["filler"])  # one more engine step: the capture of `a` starts...
     worker.flush_captures()  # ...and we wait for it
     assert key in sched.index and key in worker.store
-    worker.store.pool[:, worker.store.get(key)] = 0
+    worker.store.pool[:, worker.store.blocks(key)] = 0
     out = run(llm, b)
     assert out["num_cached_tokens"] > 0
     assert out["token_ids"] != reference[tuple(b)]["token_ids"]
@@ -172,7 +172,7 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     worker.flush_captures()
     from semshare_vllm.kv_layout import read_range
 
-    pages = worker.store.pool[:, worker.store.get(key)]  # [layers, blocks, H, N, 2D], CPU order
+    pages = worker.store.pool[:, worker.store.blocks(key)]  # [layers, blocks, H, N, 2D], CPU order
     blocks = list(range(pages.shape[1]))
     stored = torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, len(a)))
                           for p in pages])  # [layers, 2, tokens, heads, dim]

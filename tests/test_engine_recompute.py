@@ -84,7 +84,7 @@ def captured(llm, worker, cases, prompt):
 
 def donor_kv(worker, key, n):
     """[layers, 2, n, H, D] of a stored donor (the KV vLLM computed)."""
-    pages = worker.store.pool[:, worker.store.get(key)]
+    pages = worker.store.pool[:, worker.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
     return torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, n))
                         for p in pages])
@@ -147,7 +147,7 @@ def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, refer
                                                       monkeypatch):
     a, b = cases["poison"]
     key = captured(llm, worker, cases, a)
-    worker.store.pool[:, worker.store.get(key)] = 0        # the donor's KV is now garbage
+    worker.store.pool[:, worker.store.blocks(key)] = 0        # the donor's KV is now garbage
     recomputed = worker.stats.totals["recomputed_tokens"]
     # Watch every recompute: no block outside the loaded range of the request may change.
     seen = []

@@ -26,12 +26,12 @@ def test_pool_is_preallocated_and_lru_evicts():
     keys = [DonorKey("", f"d{i}") for i in range(3)]
     a = s.allocate(keys[0], 2)
     s.allocate(keys[1], 2)
-    s.get(keys[0])  # most recent now
+    s.blocks(keys[0])  # most recent now
     s.allocate(keys[2], 2)  # needs a victim: keys[1]
     assert keys[0] in s and keys[2] in s and keys[1] not in s
-    assert s.get(keys[0]) == a
+    assert s.blocks(keys[0]) == a
     with pytest.raises(DonorUnavailable):
-        s.get(keys[1])
+        s.blocks(keys[1])
     # A donor whose copy is in flight is never a victim; too big is refused, not half-stored.
     with pytest.raises(DonorUnavailable):
         s.allocate(DonorKey("", "big"), 4, pinned={keys[0], keys[2]})
@@ -54,11 +54,11 @@ def test_persist_roundtrip_and_drop(tmp_path):
         "tenant", list(range(12)), LAYERS, "CPU_ATTN/vec/8")
     s.drop_memory(key)
     assert key not in s
-    assert torch.equal(s.pool[:, s.get(key)], data)  # read back from disk into the pool
+    assert torch.equal(s.pool[:, s.blocks(key)], data)  # read back from disk into the pool
     other = HostKVStore(s.capacity_bytes, LAYERS, PAGE, torch.float32, "FLASH_ATTN/-/8",
                         tp_rank=1, tp_size=2, persist_root=tmp_path)
     with pytest.raises(DonorUnavailable, match="page layout"):
-        other.get(key)  # pages of another backend are never written into this one
+        other.blocks(key)  # pages of another backend are never written into this one
     s.drop(key)
     s.flush()
     assert not path.exists()
@@ -77,7 +77,7 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path):
     with pytest.raises(donor_file.CorruptDonorFile, match="checksum"):
         donor_file.read(path)  # ...the checksum does
     with pytest.raises(DonorUnavailable, match="checksum"):
-        store(4, persist_root=tmp_path).get(DonorKey("", "d"))
+        store(4, persist_root=tmp_path).blocks(DonorKey("", "d"))
     path.write_bytes(b"garbage")
     with pytest.raises(donor_file.CorruptDonorFile):
         donor_file.read_header(path)

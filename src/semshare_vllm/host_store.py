@@ -12,6 +12,10 @@ capacity this pool reports); the store also evicts least recently used donors it
 pool runs out, so a disagreement costs a miss, never memory. Only the engine thread allocates
 and frees blocks. Disk writes run on a background thread, in submission order; a donor not in
 memory is read back (and checksum-verified) on first use. Files carry the tensor-parallel rank.
+
+The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``); the
+``DonorKVStore`` methods (``put``/``get``/``contains``/``evict``, KV as rows) are what the host
+store shares with LMCache (``kv_store``), through the pool's ``PageAddressing``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from pathlib import Path
 import torch
 
 from semshare_vllm import donor_file
+from semshare_vllm.kernels import PageAddressing, gather_rearrange, stage_rows
+from semshare_vllm.kv_layout import PageLayout, slots_for
+from semshare_vllm.kv_store import DonorKVStore
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import DonorKey
 
@@ -54,10 +61,13 @@ class DonorUnavailable(RuntimeError):
     """The donor is neither in memory nor readable from disk."""
 
 
-class HostKVStore:
+class HostKVStore(DonorKVStore):
+    name = "host"
+
     def __init__(self, capacity_bytes: int, layer_names: list[str], page_shape: tuple[int, ...],
                  dtype: torch.dtype, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
-                 persist_root: Path | None = None, pin_memory: bool = False):
+                 persist_root: Path | None = None, pin_memory: bool = False,
+                 page_layout: PageLayout | None = None):
         self.layer_names = list(layer_names)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -68,6 +78,11 @@ class HostKVStore:
         self.pool = torch.empty((len(layer_names), num_blocks, *page_shape), dtype=dtype,
                                 pin_memory=pin_memory)
         self.pool.zero_()  # touch every page now, not during a capture
+        # How rows sit in the pool's pages (the rows API needs it): the pool's own addressing,
+        # since its block count and strides are not the cache's.
+        self.addressing = None if page_layout is None else \
+            PageAddressing.from_layout(page_layout, self.pool[0])
+        self.block_size = page_shape[-2]
         self.capacity_bytes = num_blocks * self.block_bytes
         self._free: deque[int] = deque(range(num_blocks))
         self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
@@ -98,7 +113,7 @@ class HostKVStore:
         self._donors[key] = blocks
         return blocks
 
-    def get(self, key: DonorKey, pinned=frozenset()) -> list[int]:
+    def blocks(self, key: DonorKey, pinned=frozenset()) -> list[int]:
         """The pool blocks holding the donor; read from disk first if it is not in memory."""
         blocks = self._donors.get(key)
         if blocks is not None:
@@ -139,6 +154,46 @@ class HostKVStore:
 
     def __contains__(self, key: DonorKey) -> bool:
         return key in self._donors
+
+    # ---- DonorKVStore: KV as rows (engine thread only) ----------------------------------------
+    def put(self, key: DonorKey, token_ids, rows: torch.Tensor, pinned=frozenset()) -> None:
+        try:
+            self.put_blocks(key, rows, pinned)
+        except DonorUnavailable as exc:
+            warn_once(logger, "put", "SemShare: donor %s is not kept in the host store: %s",
+                      key.donor_id, exc)
+
+    def put_blocks(self, key: DonorKey, rows: torch.Tensor, pinned=frozenset()) -> list[int]:
+        """``put``, returning the pool blocks that now hold the rows (raises DonorUnavailable)."""
+        num = rows.shape[1]
+        blocks = self.allocate(key, -(-num // self.block_size), pinned)
+        slots = slots_for(blocks, 0, num, self.block_size)
+        gather_rearrange(rows, torch.arange(num), slots, list(self.pool), self._addressing())
+        return blocks
+
+    def get(self, key: DonorKey, token_ids, start: int = 0,
+            end: int | None = None) -> torch.Tensor | None:
+        end = len(token_ids) if end is None else end
+        try:
+            blocks = self.blocks(key)
+        except DonorUnavailable:
+            return None
+        if end > len(blocks) * self.block_size:
+            return None
+        return stage_rows(self.pool, slots_for(blocks, start, end, self.block_size),
+                          self._addressing())
+
+    def contains(self, key: DonorKey, token_ids) -> bool:
+        path = self._path(key)
+        return key in self._donors or (path is not None and path.exists())
+
+    def evict(self, key: DonorKey, token_ids) -> None:
+        self.drop(key)
+
+    def _addressing(self) -> PageAddressing:
+        if self.addressing is None:
+            raise DonorUnavailable("this host store was made without a page layout")
+        return self.addressing
 
     @property
     def used_bytes(self) -> int:

@@ -140,7 +140,8 @@ class SemShareWorker:
         cache = self.caches[0]
         return HostKVStore(capacity, list(self.geometry.layer_names), tuple(cache.shape[1:]),
                            cache.dtype, self.layout.name, get_tensor_model_parallel_rank(),
-                           self.geometry.tp_size, root, pin_memory=cache.is_cuda)
+                           self.geometry.tp_size, root, pin_memory=cache.is_cuda,
+                           page_layout=self.layout)
 
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
@@ -233,7 +234,7 @@ class SemShareWorker:
             if held is not None:  # still in its own blocks: copy block to block
                 donor_tokens, donor_blocks = len(held[0].token_ids), held[0].block_ids
             else:
-                donor_blocks = self.store.get(spec.key, self._capturing)
+                donor_blocks = self.store.blocks(spec.key, self._capturing)
                 donor_tokens = len(donor_blocks) * self.geometry.block_size
             if spec.donor_pos is not None:
                 self._move_aligned(spec, donor_blocks, donor_tokens, held is not None)

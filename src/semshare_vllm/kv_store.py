@@ -1,0 +1,44 @@
+"""Where donor KV is kept: one interface for the built-in host store (``host_store``) and
+LMCache (``lmcache_store``).
+
+KV crosses this interface as *rows*: ``[layers, tokens, kv_heads, 2 * head_size]``, K then V in
+the last dimension, one row per donor token: the staging layout the kernels read and write
+(``kernels.stage_rows`` / ``kernels.gather_rearrange``). Each store converts to its own format
+once, vectorised. A donor is addressed by its ``DonorKey`` and its own token ids (a prefix from
+position 0, which is what LMCache's chained chunk keys are made of); a store may use either.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+from semshare_vllm.metadata import DonorKey
+
+
+class DonorKVStore(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Keep the donor's KV: ``rows[:, i]`` belongs to ``token_ids[i]``. A store that cannot
+        keep it (full, unreachable) keeps nothing and says so in its log, never by raising."""
+
+    @abstractmethod
+    def get(self, key: DonorKey, token_ids: Sequence[int], start: int = 0,
+            end: int | None = None) -> torch.Tensor | None:
+        """Rows ``[start, end)`` of the donor (``end``: its last token), or None when the store
+        does not hold all of them."""
+
+    @abstractmethod
+    def contains(self, key: DonorKey, token_ids: Sequence[int]) -> bool:
+        """Whether ``get`` of the whole donor would find it."""
+
+    @abstractmethod
+    def evict(self, key: DonorKey, token_ids: Sequence[int]) -> None:
+        """Forget the donor (no error when it is not there)."""
+
+    def close(self) -> None:
+        """Release what the store holds (threads, connections, memory)."""

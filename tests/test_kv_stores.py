@@ -1,0 +1,117 @@
+"""The contract every donor KV store keeps (``kv_store.DonorKVStore``): the built-in host store
+and LMCache (local CPU, and with a real Redis server as its remote backend) pass the same tests.
+The Redis cases also check what the stores promise across instances: a second LMCache engine
+(another vLLM instance's) reads what the first wrote, and an outage costs misses, not errors."""
+
+import pytest
+import torch
+
+from semshare_vllm.host_store import HostKVStore
+from semshare_vllm.kv_layout import PageLayout
+from semshare_vllm.metadata import DonorKey
+
+L, H, D, BS = 3, 2, 32, 32
+CHUNK = 16          # LMCache's chunk size here (256 in service): several chunks per donor
+
+
+def rows(n, seed=0):
+    return torch.randn(L, n, H, 2 * D, generator=torch.Generator().manual_seed(seed))
+
+
+def tokens(n, seed=0):
+    return torch.randint(0, 50000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def host_store():
+    return HostKVStore(64 * L * H * BS * 2 * D * 4, [f"l{i}" for i in range(L)], (H, BS, 2 * D),
+                       torch.float32, page_layout=PageLayout("CPU_ATTN", D, "vec"))
+
+
+def lmcache_store(remote_url=None):
+    from semshare_vllm.lmcache_store import LMCacheKVStore
+
+    return LMCacheKVStore(L, H, D, torch.float32, "contract-model", 32 * 2**20,
+                          remote_url=remote_url, chunk_size=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def redis():
+    from semshare_vllm.testbed.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["host", "lmcache", "lmcache+redis"])
+def store(request):
+    if request.param == "host":
+        s = host_store()
+    else:
+        s = lmcache_store(request.getfixturevalue("redis").url
+                          if request.param.endswith("redis") else None)
+    yield s
+    s.close()
+
+
+def test_a_donor_comes_back_whole_and_by_range(store):
+    key, toks, kv = DonorKey("", "d1"), tokens(53), rows(53)
+    assert not store.contains(key, toks) and store.get(key, toks) is None
+    store.put(key, toks, kv)
+    assert store.contains(key, toks)
+    assert torch.equal(store.get(key, toks), kv)                    # bit-exact
+    for start, end in [(0, 16), (5, 40), (16, 32), (47, 53)]:     # inside and across chunks
+        assert torch.equal(store.get(key, toks, start, end), kv[:, start:end])
+
+
+def test_evicted_unknown_and_other_donors(store):
+    a, b = DonorKey("", "a"), DonorKey("", "b")
+    ta, tb = tokens(40, 1), tokens(20, 2)
+    store.put(a, ta, rows(40, 1))
+    store.put(b, tb, rows(20, 2))
+    store.evict(a, ta)
+    assert not store.contains(a, ta) and store.get(a, ta) is None
+    assert torch.equal(store.get(b, tb), rows(20, 2))
+    assert store.get(DonorKey("", "never"), tokens(30, 3)) is None
+    store.evict(DonorKey("", "never"), tokens(30, 3))               # no error
+
+
+def test_namespaces_never_share_a_donor(store):
+    toks = tokens(48, 4)
+    store.put(DonorKey("tenant-a", "x"), toks, rows(48, 5))
+    store.put(DonorKey("tenant-b", "x2"), toks, rows(48, 6))
+    assert torch.equal(store.get(DonorKey("tenant-a", "x"), toks), rows(48, 5))
+    assert torch.equal(store.get(DonorKey("tenant-b", "x2"), toks), rows(48, 6))
+    assert not store.contains(DonorKey("tenant-c", "x"), toks) or store.name == "host"
+
+
+def test_a_second_instance_reads_the_donor_from_redis(redis):
+    first, second = lmcache_store(redis.url), lmcache_store(redis.url)
+    try:
+        key, toks, kv = DonorKey("", "shared"), tokens(70, 7), rows(70, 7)
+        first.put(key, toks, kv)
+        assert first.visible(key, toks)
+        assert torch.equal(second.get(key, toks), kv)
+        assert torch.equal(second.get(key, toks, 20, 50), kv[:, 20:50])
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_redis_outage_costs_misses_not_errors():
+    from semshare_vllm.testbed.redis_server import RedisServer
+
+    server = RedisServer().start()
+    writer, reader = lmcache_store(server.url), lmcache_store(server.url)
+    try:
+        key, toks = DonorKey("", "outage"), tokens(40, 8)
+        server.stop()
+        writer.put(key, toks, rows(40, 8))                  # no error
+        assert reader.get(key, toks) is None and not reader.contains(key, toks)
+        server.start()                                      # back: reuse resumes
+        writer.put(key, toks, rows(40, 9))
+        assert writer.visible(key, toks)
+        assert torch.equal(reader.get(key, toks), rows(40, 9))
+    finally:
+        writer.close()
+        reader.close()
+        server.stop()
