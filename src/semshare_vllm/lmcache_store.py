@@ -159,7 +159,7 @@ class LMCacheKVStore(DonorKVStore):
         if self._redis is not None:        # LMCache's Redis connector cannot remove
             try:
                 # a put still in flight would land after the delete: let it land first
-                if self.engine.storage_manager.contains(keys[-1]) is not None:
+                if keys and self.engine.storage_manager.contains(keys[-1]) is not None:
                     self.visible(key, token_ids, timeout_s=2.0)
                 names = [n for k in keys for n in (k.to_string() + "kv_bytes",
                                                    k.to_string() + "metadata")]
