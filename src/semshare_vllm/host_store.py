@@ -157,19 +157,15 @@ class HostKVStore(DonorKVStore):
 
     # ---- DonorKVStore: KV as rows (engine thread only) ----------------------------------------
     def put(self, key: DonorKey, token_ids, rows: torch.Tensor, pinned=frozenset()) -> None:
+        num = rows.shape[1]
         try:
-            self.put_blocks(key, rows, pinned)
+            blocks = self.allocate(key, -(-num // self.block_size), pinned)
+            gather_rearrange(rows, torch.arange(num), slots_for(blocks, 0, num, self.block_size),
+                             list(self.pool), self._addressing())
         except DonorUnavailable as exc:
+            self.drop_memory(key)
             warn_once(logger, "put", "SemShare: donor %s is not kept in the host store: %s",
                       key.donor_id, exc)
-
-    def put_blocks(self, key: DonorKey, rows: torch.Tensor, pinned=frozenset()) -> list[int]:
-        """``put``, returning the pool blocks that now hold the rows (raises DonorUnavailable)."""
-        num = rows.shape[1]
-        blocks = self.allocate(key, -(-num // self.block_size), pinned)
-        slots = slots_for(blocks, 0, num, self.block_size)
-        gather_rearrange(rows, torch.arange(num), slots, list(self.pool), self._addressing())
-        return blocks
 
     def get(self, key: DonorKey, token_ids, start: int = 0,
             end: int | None = None) -> torch.Tensor | None:

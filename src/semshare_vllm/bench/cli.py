@@ -100,15 +100,16 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
         else:
             requests = [r for name in args.workload_names
                         for r in workloads.build(name, args.groups, tokens, sizer, args.seed)]
-        print(f"\n{len(requests)} requests at ~{tokens} tokens "
-              f"({sum(r.role == 'target' for r in requests)} targets, cold and served):")
-        progress = _Progress(sum(r.role == "target" for r in requests), tokens)
+        targets = sum(r.role == "target" for r in requests)
+        print(f"\n{len(requests)} requests at ~{tokens} tokens ({targets} targets, cold and "
+              "served):")
+        progress = _Progress(targets, tokens)
         try:
             results = run(endpoint, requests, args.max_tokens, args.donor_wait_s, progress,
                           perplexity=args.perplexity)
         finally:
             progress.close()
-        interrupted = len(results) < sum(r.role == "target" for r in requests)
+        interrupted = len(results) < targets
         if results:
             summaries[tokens] = report.summarize(results)
             rows[tokens] = report.request_rows(results)
