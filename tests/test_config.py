@@ -37,6 +37,11 @@ def test_environment_overrides_extra_config():
     ({"persist_dir": 3}, {}, "persist_dir"),
     ({}, {"SEMSHARE_MIN_REUSE_TOKENS": "ten"}, "SEMSHARE_MIN_REUSE_TOKENS"),
     ({}, {"SEMSHARE_CAPTUR": "1"}, "SEMSHARE_CAPTUR"),                 # unknown variable
+    ({"kv_tier": "redis"}, {}, "kv_tier"),
+    ({"kv_tier": "lmcache", "lmcache_remote_url": "localhost:6379"}, {}, "lmcache_remote_url"),
+    ({"shared_index_url": "redis://h:6379"}, {}, "shared_index_url"),   # no shared KV tier
+    ({"kv_tier": "lmcache", "lmcache_remote_url": "redis://h:6379",
+      "shared_index_url": "http://h:6379"}, {}, "shared_index_url"),   # not Redis
 ])
 def test_bad_config_names_the_key(extra, environ, named):
     with pytest.raises(SemShareConfigError, match=re.escape(named)):

@@ -115,3 +115,24 @@ def test_a_redis_outage_costs_misses_not_errors():
         writer.close()
         reader.close()
         server.stop()
+
+
+def test_the_first_put_after_a_redis_restart_is_readable():
+    """LMCache's first put after the server restarts goes to the connection it closed and is
+    lost; ``put`` notices (not readable in time) and puts once more."""
+    from semshare_vllm.testbed.redis_server import RedisServer
+
+    server = RedisServer().start()
+    writer, reader = lmcache_store(server.url), lmcache_store(server.url)
+    writer.put_timeout_s = 1.0
+    try:
+        assert writer.put(DonorKey("", "before"), tokens(40, 10), rows(40, 10))
+        server.stop()
+        server.start()
+        key, toks = DonorKey("", "after-restart"), tokens(40, 11)
+        assert writer.put(key, toks, rows(40, 11))
+        assert torch.equal(reader.get(key, toks), rows(40, 11))
+    finally:
+        writer.close()
+        reader.close()
+        server.stop()

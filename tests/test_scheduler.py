@@ -215,3 +215,90 @@ def test_marked_rows_hold_the_prompt_tokens_with_rank_zero():
     assert rows.logprobs[:3].eq(0).all() and rows.selected_token_ranks[:3].tolist() == [0, 0, 0]
     assert not mark_served_rows(runner, "other", 3)
     assert not mark_served_rows(SimpleNamespace(), "r", 3)
+
+
+class FakeFeed:
+    """Stands in for ``SharedDonorFeed`` (its own tests run on a real redis-server)."""
+
+    def __init__(self, arrivals=()):
+        self.published, self.arrivals, self.closed = [], list(arrivals), False
+
+    def publish(self, record):
+        self.published.append(record)
+
+    def take_arrived(self):
+        out, self.arrivals = self.arrivals, []
+        return out
+
+    def take_counts(self):
+        return {"outages": 1} if self.arrivals else {}
+
+    def close(self):
+        self.closed = True
+
+
+def shared_config():
+    return SemShareConfig(kv_tier="lmcache", lmcache_remote_url="redis://h:1",
+                          shared_index_url="redis://h:1")
+
+
+def test_a_donor_is_announced_once_every_rank_has_it_in_the_tier():
+    from semshare_vllm.metadata import SemShareWorkerMetadata
+
+    feed = FakeFeed()
+    s = SemShareScheduler(shared_config(), geometry(tp_size=2), feed=feed)
+    donor = list(range(100))
+    finish(s, donor, salt="t")
+    key = s.build_connector_meta(None).captures[0].key
+    out = lambda tiered: SimpleNamespace(   # noqa: E731
+        finished_sending=None, kv_connector_worker_meta=SemShareWorkerMetadata(tiered=tiered))
+    assert s.has_pending_push_work()            # an idle engine keeps stepping for it
+    s.update_connector_output(out([key]))
+    assert feed.published == []                 # one rank of two
+    s.update_connector_output(out([key]))
+    assert [r.donor_id for r in feed.published] == [key.donor_id]
+    assert not s.has_pending_push_work()
+    record = feed.published[0]
+    assert record.namespace == "t" and record.token_ids == donor + [7]
+    assert record.num_prompt_tokens == 100
+    s.update_connector_output(out([key]))
+    assert len(feed.published) == 1             # never twice
+    s.shutdown()
+    assert feed.closed
+
+
+def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
+    from semshare_vllm.shared_index import SharedDonor
+
+    tokens = list(range(500, 700))
+    good = SharedDonor("t", donor_id_for("t", tokens), tokens, 200)
+    forged = SharedDonor("t", donor_id_for("other", tokens), tokens, 200)   # id of another ns
+    feed = FakeFeed([good, forged])
+    s = SemShareScheduler(shared_config(), geometry(), feed=feed)
+    s.build_connector_meta(None)
+    assert s.stats.totals["donors_shared_in"] == 1
+    assert s.stats.totals["shared_records_dropped"] == 1
+    assert s.stats.totals["shared_index_outages"] == 1
+    assert s.get_num_new_matched_tokens(request("x", tokens[:150] + [1], salt="u"), 0) == \
+        (0, False)                                # another namespace sees nothing
+    target = request("y", tokens[:150] + [1], salt="t")
+    assert s.get_num_new_matched_tokens(target, 0) == (128, False)
+    s.update_state_after_alloc(target, Blocks(list(range(5))), 128)
+    load = s.build_connector_meta(None).loads[0]
+    assert load.key == DonorKey("t", good.donor_id) and load.donor_token_ids == tokens
+    # A shared donor is never announced again by this instance.
+    s.update_connector_output(SimpleNamespace(
+        finished_sending=None,
+        kv_connector_worker_meta=SemShareWorkerMetadata(tiered=[load.key])))
+    assert feed.published == []
+
+
+def test_a_donor_the_tier_did_not_take_is_not_waited_for():
+    s = SemShareScheduler(shared_config(), geometry(), feed=FakeFeed())
+    finish(s, list(range(100)))
+    key = s.build_connector_meta(None).captures[0].key
+    assert s.has_pending_push_work()
+    s.update_connector_output(SimpleNamespace(
+        finished_sending=None, kv_connector_worker_meta=SemShareWorkerMetadata(untiered=[key])))
+    assert not s.has_pending_push_work()
+    assert not SemShareScheduler(SemShareConfig(), geometry()).has_pending_push_work()

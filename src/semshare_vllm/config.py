@@ -50,6 +50,25 @@ class SemShareConfig:
         32, "Smallest claim worth loading; shorter matches are computed. Claims are also "
         "rounded down to whole KV blocks.", minimum=1)
 
+    # ---- donor KV tier and sharing across instances -------------------------------------------
+    kv_tier: str = _knob(
+        "host", "Where donor KV lives besides the host store: \"host\" (the host store only, "
+        "this instance), \"lmcache\" (every donor is also put in LMCache, pinned to 0.5.6, the "
+        "[lmcache] extra; a donor missing from the host store is fetched from there).",
+        choices=("host", "lmcache"))
+    lmcache_local_cpu_bytes: int = _knob(
+        2 * 2**30, "With kv_tier \"lmcache\": LMCache's local CPU backend size (per rank).",
+        minimum=0, size=True)
+    lmcache_remote_url: str | None = _knob(
+        None, "With kv_tier \"lmcache\": LMCache's remote backend, e.g. "
+        "\"redis://host:6379\" (Redis or Valkey), shared by every instance. Unset: local only.")
+    shared_index_url: str | None = _knob(
+        None, "A Redis / Valkey URL where the donor index is shared across instances: each "
+        "donor's record (namespace, token ids, embedding) is published to a stream once its KV "
+        "is readable from lmcache_remote_url, and every instance adds the others' donors to its "
+        "own index (catching up at start). Needs kv_tier \"lmcache\" with a remote URL. "
+        "Unset: this instance's donors only.")
+
     # ---- donor discovery ----------------------------------------------------------------------
     embedder: str = _knob(
         "onnx", "How prompts are embedded for semantic donor search: \"onnx\" (MiniLM on ONNX "
@@ -189,6 +208,17 @@ class SemShareConfig:
             raise SemShareConfigError(
                 f"lsh_bits * lsh_tables must be a multiple of 8; got {self.lsh_bits} * "
                 f"{self.lsh_tables}")
+        if self.lmcache_remote_url and "://" not in self.lmcache_remote_url:
+            raise SemShareConfigError(f"lmcache_remote_url: expected a URL such as "
+                                      f"redis://127.0.0.1:6379; got {self.lmcache_remote_url!r}")
+        if self.shared_index_url:
+            if not re.match(r"^(redis|rediss|unix)://", self.shared_index_url):
+                raise SemShareConfigError(f"shared_index_url: expected a redis://, rediss:// or "
+                                          f"unix:// URL; got {self.shared_index_url!r}")
+            if self.kv_tier != "lmcache" or not self.lmcache_remote_url:
+                raise SemShareConfigError(
+                    "shared_index_url needs kv_tier \"lmcache\" and lmcache_remote_url: other "
+                    "instances must be able to read the KV of the donors it announces")
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -35,6 +35,22 @@ from semshare_vllm.worker import SemShareWorker
 logger = logging.getLogger("vllm.semshare")
 
 
+def shared_donor_feed(config: SemShareConfig, geometry):
+    """The shared donor index (``shared_index_url``), or None (unset, or the ``[lmcache]`` extra
+    that brings redis-py missing: this instance then keeps its donors to itself, with one
+    warning)."""
+    if not config.shared_index_url:
+        return None
+    try:
+        from semshare_vllm.shared_index import SharedDonorFeed
+
+        return SharedDonorFeed(config.shared_index_url, geometry.fingerprint)
+    except Exception as exc:
+        logger.warning("SemShare: the shared donor index is off (this instance's donors only): "
+                       "%s: %s", type(exc).__name__, exc)
+        return None
+
+
 class SemShareConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -58,7 +74,8 @@ class SemShareConnector(KVConnectorBase_V1):
             aligner = None if discovery is None else Aligner(
                 AlignParams.from_config(self.config), vllm_config.model_config.model,
                 vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
-            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner)
+            feed = None if geometry.unsupported else shared_donor_feed(self.config, geometry)
+            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
             self.worker = SemShareWorker(self.config, geometry, vllm_config)
@@ -102,6 +119,10 @@ class SemShareConnector(KVConnectorBase_V1):
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        # a captured donor still to be announced on the shared index keeps an idle engine stepping
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

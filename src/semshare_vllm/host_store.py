@@ -156,7 +156,7 @@ class HostKVStore(DonorKVStore):
         return key in self._donors
 
     # ---- DonorKVStore: KV as rows (engine thread only) ----------------------------------------
-    def put(self, key: DonorKey, token_ids, rows: torch.Tensor, pinned=frozenset()) -> None:
+    def put(self, key: DonorKey, token_ids, rows: torch.Tensor, pinned=frozenset()) -> bool:
         num = rows.shape[1]
         try:
             blocks = self.allocate(key, -(-num // self.block_size), pinned)
@@ -166,6 +166,8 @@ class HostKVStore(DonorKVStore):
             self.drop_memory(key)
             warn_once(logger, "put", "SemShare: donor %s is not kept in the host store: %s",
                       key.donor_id, exc)
+            return False
+        return True
 
     def get(self, key: DonorKey, token_ids, start: int = 0,
             end: int | None = None) -> torch.Tensor | None:

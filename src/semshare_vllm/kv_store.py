@@ -22,9 +22,10 @@ class DonorKVStore(ABC):
     name: str = "?"
 
     @abstractmethod
-    def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> None:
-        """Keep the donor's KV: ``rows[:, i]`` belongs to ``token_ids[i]``. A store that cannot
-        keep it (full, unreachable) keeps nothing and says so in its log, never by raising."""
+    def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> bool:
+        """Keep the donor's KV: ``rows[:, i]`` belongs to ``token_ids[i]``. True once it is
+        kept (for a store shared across instances: readable by them). A store that cannot keep
+        it (full, unreachable) returns False and says why in its log, never by raising."""
 
     @abstractmethod
     def get(self, key: DonorKey, token_ids: Sequence[int], start: int = 0,

@@ -70,9 +70,11 @@ class LMCacheKVStore(DonorKVStore):
         self.layers, self.heads, self.head_size = num_layers, num_kv_heads, head_size
         self.dtype, self.chunk_size = dtype, chunk_size
         self.remote_url = remote_url or None
-        # LMCache's remote puts are asynchronous: ``put`` waits this long for another instance
-        # to be able to read the donor (the donor's index record is published after it).
+        # LMCache's remote puts are asynchronous: ``put`` waits for another instance to be able
+        # to read the donor (its index record is published after that), this long plus the
+        # donor's transfer at ``put_bytes_per_s``.
         self.put_timeout_s = 5.0
+        self.put_bytes_per_s = 100e6
         self._id = f"semshare-{os.getpid()}-{next(_ids)}"
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=chunk_size, local_cpu=True,
@@ -119,15 +121,24 @@ class LMCacheKVStore(DonorKVStore):
             tokens=list(token_ids), request_configs={NAMESPACE_TAG: key.namespace or "-"}))
 
     # ---- DonorKVStore ------------------------------------------------------------------------
-    def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> None:
+    def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> bool:
         if rows.shape[1] != len(token_ids):
             raise ValueError(f"{rows.shape[1]} rows for {len(token_ids)} tokens")
-        self.engine.store(tokens=list(token_ids), kv=self._to_lmcache(rows.cpu()),
-                          request_configs={NAMESPACE_TAG: key.namespace or "-"})
-        if self._redis is not None and not self.visible(key, token_ids, self.put_timeout_s):
-            logger.warning("SemShare: donor %s is not readable from %s after %.0f s (LMCache "
-                           "logs why); other instances will miss it", key.donor_id,
-                           self.remote_url, self.put_timeout_s)
+        kv = self._to_lmcache(rows.cpu())
+        timeout_s = self.put_timeout_s + kv.numel() * kv.element_size() / self.put_bytes_per_s
+        # Twice at most: after the backend restarts, LMCache's first put goes to the connection
+        # the server closed and is lost (logged by LMCache); the next one reconnects.
+        for _ in range(2):
+            self.engine.store(tokens=list(token_ids), kv=kv,
+                              request_configs={NAMESPACE_TAG: key.namespace or "-"})
+            state = self._remote_state(key, token_ids, timeout_s)
+            if state == "readable":
+                return True
+            if state == "unreachable":
+                break
+        logger.warning("SemShare: donor %s is not readable from %s (LMCache logs why); other "
+                       "instances will miss it", key.donor_id, self.remote_url)
+        return False
 
     def get(self, key: DonorKey, token_ids: Sequence[int], start: int = 0,
             end: int | None = None) -> torch.Tensor | None:
@@ -170,19 +181,25 @@ class LMCacheKVStore(DonorKVStore):
 
     def visible(self, key: DonorKey, token_ids: Sequence[int], timeout_s: float = 5.0) -> bool:
         """Wait until the donor's chunks are readable from the remote backend (its puts are
-        asynchronous); True at once without one."""
+        asynchronous); True at once without one, False at once when it is unreachable."""
+        return self._remote_state(key, token_ids, timeout_s) == "readable"
+
+    def _remote_state(self, key: DonorKey, token_ids: Sequence[int], timeout_s: float) -> str:
+        """"readable" (or no remote backend), "unreachable", or "missing" after ``timeout_s``."""
         if self._redis is None:
-            return True
+            return "readable"
+        import redis
+
         names = [k.to_string() + "metadata" for _, _, k in self._keys(key, token_ids)]
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if self._redis.exists(*names) == len(names):
-                    return True
-            except Exception:
-                pass
+                    return "readable"
+            except (redis.RedisError, OSError):
+                return "unreachable"
             if time.monotonic() > deadline:
-                return False
+                return "missing"
             time.sleep(0.01)
 
     def close(self) -> None:

@@ -58,6 +58,9 @@ class LoadSpec:
     # A request asking for prompt logprobs (``semshare_reuse_limit``): the worker marks the rows
     # of positions [0, mark_logprobs_until) as served, not computed (``prompt_logprobs``).
     mark_logprobs_until: int = 0
+    # With an LMCache tier (``kv_tier``): the donor's own token ids, its key there, for a donor
+    # that is not (or no longer) in this worker's host store.
+    donor_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -80,6 +83,10 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     recompute_ready: bool | None = None
     # (donor, measured deviation) of each semantic load repaired this step
     deviations: list[tuple[DonorKey, float]] = field(default_factory=list)
+    # donors whose KV is now readable from the LMCache tier's remote backend, one entry per
+    # rank that stored its shard (the scheduler announces a donor once every rank has)
+    tiered: list[DonorKey] = field(default_factory=list)
+    untiered: list[DonorKey] = field(default_factory=list)   # puts that failed
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -89,4 +96,6 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
         ready = [r for r in (self.recompute_ready, other.recompute_ready) if r is not None]
         return SemShareWorkerMetadata(merged, min(caps) if caps else None,
                                       all(ready) if ready else None,
-                                      self.deviations + other.deviations)
+                                      self.deviations + other.deviations,
+                                      self.tiered + other.tiered,
+                                      self.untiered + other.untiered)

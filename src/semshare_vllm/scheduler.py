@@ -13,6 +13,11 @@ their vectors to the catalog.
 
 Capture: when a request finishes, keep its blocks (``delay_free``) until the worker has copied
 its KV into the host store and reported the request in ``finished_sending``.
+
+Across instances (``shared_index_url``): once the worker reports a donor readable in LMCache's
+shared backend and it is embedded, its record is announced on the shared index
+(``shared_index.py``); the donors other instances announce join this catalog as "shared" ones,
+loaded through the LMCache tier on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +54,7 @@ from semshare_vllm.metadata import (
 )
 from semshare_vllm.eviction import make_policy
 from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
+from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.scheduler")
@@ -98,6 +105,11 @@ def wants_prompt_logprobs(request) -> bool:
 
 # How often (at most) the donors' embeddings are written beside their KV files.
 SNAPSHOT_INTERVAL_S = 30.0
+# Shared index: how long the engine keeps stepping for a captured donor to be announced (its
+# LMCache put and its embedding run off the engine thread, and only a step reports them), and
+# how long an idle step then sleeps, so that those threads get the CPU.
+PUBLISH_WAIT_S = 60.0
+IDLE_STEP_S = 0.005
 
 
 def namespace_of(request) -> str:
@@ -123,7 +135,8 @@ class _PendingLookup:
 
 class SemShareScheduler:
     def __init__(self, config: SemShareConfig, geometry: KVGeometry,
-                 discovery: DiscoveryService | None = None, aligner: Aligner | None = None):
+                 discovery: DiscoveryService | None = None, aligner: Aligner | None = None,
+                 feed: SharedDonorFeed | None = None):
         self.config = config
         self.geometry = geometry
         self.stats = StatsRecorder()
@@ -134,6 +147,9 @@ class SemShareScheduler:
         self.index = DonorIndex(geometry.block_size, config.host_store_bytes, policy,
                                 self.discovery.index if self.discovery else None)
         self.found: dict[str, SemanticMatch] = {}       # req_id -> donors discovery found
+        self.feed = None if geometry.unsupported else feed
+        self._tier_reports: Counter[DonorKey] = Counter()  # ranks that put a donor in the tier
+        self._to_publish: dict[DonorKey, float] = {}       # captured, not yet announced: deadline
         self._lookups: dict[str, _PendingLookup] = {}
         self._snapshot_dirty = False
         self._snapshot_at = time.monotonic()
@@ -172,6 +188,9 @@ class SemShareScheduler:
     # ---- discovery ----------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
         try:
+            # donors embedded or shared while the engine was idle join the index first
+            self._absorb_embeddings()
+            self._absorb_shared()
             self._start_lookup(request)
         except Exception:
             self._fault("discovery")
@@ -247,9 +266,79 @@ class SemShareScheduler:
                 self.stats.add("donors_embedded")
                 self.stats.add("embed_ms", e.embed_ms)
                 self._snapshot_dirty = True
+                self._maybe_publish(e.key)
         faults = self.discovery.take_faults()
         if faults:
             self.stats.add("discovery_faults", faults)
+
+    # ---- the shared index ----------------------------------------------------------------------
+    def _maybe_publish(self, key: DonorKey) -> None:
+        """Announce a donor captured here once every rank's KV is readable from the shared
+        backend and it is embedded (or will never be: discovery is off)."""
+        if self.feed is None:
+            return
+        record = self.index.get(key)
+        if record is None:
+            self._tier_reports.pop(key, None)
+            return
+        if record.origin != "local" or self._tier_reports[key] < self.geometry.tp_size:
+            return
+        if record.embedding is None and self.discovery is not None and not self.discovery.failed:
+            return   # published when its embedding arrives
+        del self._tier_reports[key]
+        self._to_publish.pop(key, None)
+        record.origin = "published"
+        self.feed.publish(SharedDonor(
+            key.namespace, key.donor_id, list(record.token_ids), len(record.prompt_token_ids),
+            record.embedding, record.fingerprint,
+            self.discovery.embedder_id if self.discovery is not None else ""))
+
+    def has_pending_push_work(self) -> bool:
+        """True while a donor captured here waits to be announced: vLLM keeps stepping an idle
+        engine for it (each step reports the worker's puts), at most ``PUBLISH_WAIT_S``."""
+        now = time.monotonic()
+        for key, deadline in list(self._to_publish.items()):
+            if deadline < now or key not in self.index:
+                del self._to_publish[key]
+        return bool(self._to_publish)
+
+    def _absorb_shared(self) -> None:
+        """Add the donors other instances announced (on this thread, which owns the catalog)."""
+        if self.feed is None:
+            return
+        counts = self.feed.take_counts()
+        for name, counter in (("published", "donors_published"),
+                              ("publish_failures", "shared_publish_failures"),
+                              ("dropped", "shared_records_dropped"),
+                              ("outages", "shared_index_outages")):
+            if counts.get(name):
+                self.stats.add(counter, counts[name])
+        for shared in self.feed.take_arrived():
+            key = DonorKey(shared.namespace, shared.donor_id)
+            tokens = shared.token_ids
+            if not tokens or donor_id_for(shared.namespace, tokens) != shared.donor_id:
+                self.stats.add("shared_records_dropped")   # not what its id says it is
+                continue
+            if key in self.index or self.index.covers(shared.namespace, tokens):
+                continue
+            n = len(tokens)
+            record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
+                                 block_hashes(tokens, self.geometry.block_size),
+                                 num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n),
+                                 origin="shared")
+            evicted = self.index.add(record)
+            if key in evicted:
+                continue
+            self._evict(evicted)
+            self.stats.add("donors_shared_in")
+            same_embedder = self.discovery is not None and shared.embedding is not None and \
+                shared.embedder_id == self.discovery.embedder_id
+            if not same_embedder:
+                self._embed_later(record)   # embedded here, as a donor captured here would be
+            elif self.index.set_embedding(key, record.serial, shared.embedding,
+                                          shared.fingerprint):
+                self.stats.add("donors_embedded")
+                self._prepare_alignment(record)
 
     def report_deviation(self, key: DonorKey, deviation: float) -> None:
         """The recompute stage's measured deviation (0-1) of one reuse of donor ``key``."""
@@ -275,6 +364,8 @@ class SemShareScheduler:
         return self.discovery.write_snapshot(write)
 
     def shutdown(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
         if self.discovery is None:
             return
         self.discovery.stop_registrations()  # a backlog of donors must not delay shutdown
@@ -465,6 +556,8 @@ class SemShareScheduler:
         record = self.index.get(spec.key)
         if record is not None:
             record.hits += 1
+            if self.config.kv_tier != "host":   # the worker may have to fetch it from there
+                spec.donor_token_ids = list(record.token_ids)
         self.stats.add("hits")
         self.stats.add("hit_tokens", spec.num_tokens)
         self._loads.append(spec)     # last: a fault above leaves only the "fail" load
@@ -478,7 +571,11 @@ class SemShareScheduler:
             request.skip_reading_prefix_cache = True
         self._scoring.clear()
         self._absorb_embeddings()
+        self._absorb_shared()
         self._maybe_snapshot()
+        if self._to_publish and not meta.loads and not meta.captures and \
+                not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            time.sleep(IDLE_STEP_S)   # an idle step kept only for announcements (see above)
         return meta
 
     # ---- capture ------------------------------------------------------------------------------
@@ -537,6 +634,8 @@ class SemShareScheduler:
         self._embed_later(record)
         self._captures.append(CaptureSpec(request.request_id, key, token_ids, blocks))
         self._capturing.add(request.request_id)
+        if self.feed is not None:
+            self._to_publish[key] = time.monotonic() + PUBLISH_WAIT_S
         self.stats.add("donors_registered")
         return True, None
 
@@ -554,6 +653,11 @@ class SemShareScheduler:
                 if key in self.index:
                     self.report_deviation(key, min(1.0, deviation))
         if isinstance(meta, SemShareWorkerMetadata):
+            for key in meta.tiered:
+                self._tier_reports[key] += 1
+                self._maybe_publish(key)
+            for key in meta.untiered:       # never announced: stop waiting for it
+                self._to_publish.pop(key, None)
             if meta.capacity_bytes is not None:
                 self._evict(self.index.shrink(meta.capacity_bytes))
             for key in meta.bad_donors:
@@ -570,9 +674,12 @@ class SemShareScheduler:
     def _embed_later(self, record: DonorRecord) -> None:
         if self.discovery is not None and record.serial and record.key in self.index:
             self.discovery.register(record.key, record.serial, record.prompt_token_ids)
-            if self.aligner is not None:
-                aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
-                self.discovery.run_background(lambda: aligner.prepare(key, tokens))
+            self._prepare_alignment(record)
+
+    def _prepare_alignment(self, record: DonorRecord) -> None:
+        if self.discovery is not None and self.aligner is not None:
+            aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
+            self.discovery.run_background(lambda: aligner.prepare(key, tokens))
 
     # ---- persistence --------------------------------------------------------------------------
     def _restore(self, root: Path) -> None:

@@ -37,6 +37,14 @@ COUNTERS: dict[str, str] = {
     "donors_embedded": "donors made searchable (embedded off the scheduler thread)",
     "embed_ms": "milliseconds the discovery threads spent embedding (lookups and donors)",
     "discovery_faults": "discovery jobs that failed (the request went on without)",
+    "donors_published": "donors announced on the shared index (their KV readable in LMCache's "
+                        "remote backend)",
+    "donors_shared_in": "donors other instances announced, added to this instance's index",
+    "shared_records_dropped": "shared-index records not used (unreadable, id not matching "
+                              "their tokens, backlog full)",
+    "shared_index_outages": "times the shared index became unreachable (this instance went on "
+                            "with its own donors until it was back)",
+    "shared_publish_failures": "donor announcements lost to a shared-index outage",
     "semantic_hits": "requests served from a semantic (aligned, not exact-prefix) donor",
     "exact_reused_tokens": "of the semantic hits' claimed tokens, those given the same token's KV",
     "fuzzy_reused_tokens": "of those, given another token's KV (always recomputed)",
@@ -48,6 +56,12 @@ COUNTERS: dict[str, str] = {
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",
     "load_ms": "milliseconds spent loading donor KV",
+    "tier_puts": "donors put in the LMCache tier (kv_tier), readable by other instances",
+    "tier_put_failures": "donors the LMCache tier did not take (e.g. its backend unreachable)",
+    "tier_put_ms": "milliseconds of tier puts, to readable (off the engine thread)",
+    "tier_fetches": "loads whose donor was fetched from the LMCache tier into the host store",
+    "tier_fetched_tokens": "tokens of donor KV fetched from the LMCache tier",
+    "tier_fetch_ms": "milliseconds spent fetching donor KV from the LMCache tier",
     "capture_ms": "milliseconds spent capturing donor KV",
     "recomputed_tokens": "loaded tokens recomputed through the model (in their first layer)",
     "recomputed_token_layers": "token-layers recomputed (a token recomputed in 3 layers: 3)",

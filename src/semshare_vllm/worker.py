@@ -7,6 +7,12 @@ blocks; a load whose donor is still being captured copies straight from the dono
 -> host store), so neither this step's forward nor its first tokens wait for them; each request
 is reported in ``finished_sending`` when its copy is done, which frees its blocks.
 
+With an LMCache tier (``kv_tier`` "lmcache"), each captured donor is also put there, on a thread
+of its own (it may wait for a remote backend), and reported to the scheduler once readable
+(``tiered``: the scheduler then announces it to other instances). A load whose donor is not in
+the host store (another instance's donor, or one the pool let go) fetches it from the tier into
+the host store first, then goes on as usual.
+
 Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
 bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
 recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +31,7 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
+from semshare_vllm.kv_store import DonorKVStore
 from semshare_vllm.kv_layout import (
     PageLayout,
     UnsupportedKVLayout,
@@ -62,6 +69,7 @@ class SemShareWorker:
         self.stacks: list[tuple[slice, torch.Tensor]] = []
         self.layout: PageLayout | None = None
         self.store: HostKVStore | None = None
+        self.tier: DonorKVStore | None = None  # LMCache (kv_tier), shared across instances
         self.runner: LayerRunner | None = None  # selective recompute (recompute_policy)
         self.rope: RopeTable | None = None
         self.addressing: PageAddressing | None = None
@@ -77,6 +85,10 @@ class SemShareWorker:
         self._invalid_blocks: set[int] = set()
         self._bad_donors: list[DonorKey] = []
         self._capacity_report: int | None = None
+        self._tier_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
+        self._tier_puts: list[tuple[DonorKey, Future]] = []
+        self._tiered: list[DonorKey] = []
+        self._untiered: list[DonorKey] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
@@ -99,6 +111,7 @@ class SemShareWorker:
             self.stacks = stack_layers(self.caches)
             self.store = self._make_store()
             self.runner = self._make_runner(kv_caches)
+            self.tier = self._make_tier()
         except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
             self.disabled = f"{type(exc).__name__}: {exc}"
             self.caches, self.stacks, self.store = [], [], None
@@ -143,6 +156,29 @@ class SemShareWorker:
                            self.geometry.tp_size, root, pin_memory=cache.is_cuda,
                            page_layout=self.layout)
 
+    def _make_tier(self) -> DonorKVStore | None:
+        """LMCache as the donors' second tier, when configured. If it cannot be set up (the
+        extra is not installed, a bad backend URL), this worker goes on with the host store
+        alone, with one warning."""
+        if self.config.kv_tier != "lmcache":
+            return None
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            from semshare_vllm.lmcache_store import LMCacheKVStore
+
+            g = self.geometry
+            return LMCacheKVStore(
+                len(g.layer_names), g.num_kv_heads, g.head_size, g.dtype,
+                model_name=g.fingerprint,   # keys differ wherever the KV geometry differs
+                local_cpu_bytes=self.config.lmcache_local_cpu_bytes,
+                remote_url=self.config.lmcache_remote_url,
+                tp_rank=get_tensor_model_parallel_rank(), tp_size=g.tp_size)
+        except Exception as exc:
+            logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in "
+                           "the host store of this instance): %s: %s", type(exc).__name__, exc)
+            return None
+
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
         for key in meta.evictions:
@@ -173,9 +209,11 @@ class SemShareWorker:
             if entry[2] is None:
                 entry[2] = self._capture_thread.submit(self._copy_out, entry[0], entry[1])
 
-    def _copy_out(self, spec: CaptureSpec, pool_blocks: list[int]) -> float:
+    def _copy_out(self, spec: CaptureSpec,
+                  pool_blocks: list[int]) -> tuple[float, torch.Tensor | None]:
         """On the capture thread: gather the donor's pages from its blocks into its pool blocks
-        (positions past its last token in its last block are never read)."""
+        (positions past its last token in its last block are never read). With a tier, also
+        stage its rows for it (while the pool blocks are surely still this donor's)."""
         t0 = time.perf_counter()
         pool = self.store.pool
         with torch.inference_mode():
@@ -185,7 +223,39 @@ class SemShareWorker:
                 torch.cuda.current_stream().synchronize()  # the D2H copies were asynchronous
             if self.store.persist_root is not None:
                 self.store.persist(spec.key, spec.token_ids, pool[:, pool_blocks])  # a copy
-        return (time.perf_counter() - t0) * 1e3
+            rows = None
+            if self.tier is not None:
+                n = len(spec.token_ids)
+                rows = stage_rows(pool, slots_for(pool_blocks, 0, n, self.geometry.block_size),
+                                  self.store.addressing)
+        return (time.perf_counter() - t0) * 1e3, rows
+
+    def _tier_put(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
+        """On the tier thread: milliseconds to a readable put, or None when it failed."""
+        t0 = time.perf_counter()
+        try:
+            kept = self.tier.put(key, token_ids, rows)
+        except Exception as exc:
+            warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
+                      key.donor_id, exc)
+            kept = False
+        return (time.perf_counter() - t0) * 1e3 if kept else None
+
+    def _reap_tier_puts(self) -> None:
+        pending = []
+        for key, future in self._tier_puts:
+            if not future.done():
+                pending.append((key, future))
+                continue
+            ms = future.result()
+            if ms is None:
+                self.stats.add("tier_put_failures")
+                self._untiered.append(key)
+                continue
+            self._tiered.append(key)
+            self.stats.add("tier_puts")
+            self.stats.add("tier_put_ms", ms)
+        self._tier_puts = pending
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
         """Account for finished captures (or wait for one); their blocks can then be freed."""
@@ -197,7 +267,7 @@ class SemShareWorker:
             del self._capturing[key]
             self._finished_sending.add(spec.req_id)
             try:
-                ms = future.result()
+                ms, rows = future.result()
             except Exception as exc:
                 warn_once(logger, "capture_copy", "SemShare: capturing request %s failed; it is "
                           "not a donor", spec.req_id, exc_info=exc)
@@ -207,6 +277,9 @@ class SemShareWorker:
             self.stats.add("captured_donors")
             self.stats.add("captured_tokens", len(spec.token_ids))
             self.stats.add("capture_ms", ms)
+            if rows is not None:
+                self._tier_puts.append((key, self._tier_thread.submit(
+                    self._tier_put, key, spec.token_ids, rows)))
 
     def _settle(self, key: DonorKey) -> None:
         if key in self._capturing:
@@ -234,7 +307,7 @@ class SemShareWorker:
             if held is not None:  # still in its own blocks: copy block to block
                 donor_tokens, donor_blocks = len(held[0].token_ids), held[0].block_ids
             else:
-                donor_blocks = self.store.blocks(spec.key, self._capturing)
+                donor_blocks = self._donor_blocks(spec)
                 donor_tokens = len(donor_blocks) * self.geometry.block_size
             if spec.donor_pos is not None:
                 self._move_aligned(spec, donor_blocks, donor_tokens, held is not None)
@@ -258,6 +331,26 @@ class SemShareWorker:
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
         if spec.policy != "none":
             self._recompute(spec)
+
+    def _donor_blocks(self, spec: LoadSpec) -> list[int]:
+        """The donor's host-store blocks; fetched from the LMCache tier into the host store
+        first when the store does not hold it."""
+        try:
+            return self.store.blocks(spec.key, self._capturing)
+        except DonorUnavailable:
+            if self.tier is None or not spec.donor_token_ids:
+                raise
+        t0 = time.perf_counter()
+        rows = self.tier.get(spec.key, spec.donor_token_ids)
+        if rows is None:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is in neither the host store "
+                                   "nor LMCache")
+        if not self.store.put(spec.key, spec.donor_token_ids, rows, self._capturing):
+            raise DonorUnavailable(f"donor {spec.key.donor_id} does not fit the host store")
+        self.stats.add("tier_fetches")
+        self.stats.add("tier_fetched_tokens", len(spec.donor_token_ids))
+        self.stats.add("tier_fetch_ms", (time.perf_counter() - t0) * 1e3)
+        return self.store.blocks(spec.key, self._capturing)
 
     def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
                       from_cache: bool) -> None:
@@ -328,18 +421,23 @@ class SemShareWorker:
         return bad
 
     def build_worker_meta(self) -> SemShareWorkerMetadata | None:
-        if not self._bad_donors and self._capacity_report is None and not self._deviations:
+        self._reap_tier_puts()
+        if not self._bad_donors and self._capacity_report is None and not self._deviations \
+                and not self._tiered and not self._untiered:
             return None
         meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report,
-                                      self._ready_report, self._deviations)
+                                      self._ready_report, self._deviations, self._tiered,
+                                      self._untiered)
         self._bad_donors, self._capacity_report, self._ready_report = [], None, None
-        self._deviations = []
+        self._deviations, self._tiered, self._untiered = [], [], []
         return meta
 
     def flush_captures(self) -> None:
-        """Wait for every capture in flight (tests, shutdown)."""
+        """Wait for every capture in flight, and its tier put (tests, shutdown)."""
         for key in list(self._capturing):
             self._settle(key)
+        for _, future in list(self._tier_puts):
+            future.result()
 
     def shutdown(self) -> None:
         # vLLM may call this twice (explicitly, then from a finalizer at exit): the second
@@ -349,5 +447,8 @@ class SemShareWorker:
         self._closed = True
         self.flush_captures()
         self._capture_thread.shutdown(wait=True)
+        self._tier_thread.shutdown(wait=True)
+        if self.tier is not None:
+            self.tier.close()
         if self.store is not None:
             self.store.close()

@@ -83,7 +83,8 @@ def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.
         time.sleep(0.05)
 
 
-def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completion, int]:
+def served_completion(endpoint: Endpoint, prompt: str,
+                      max_tokens: int) -> tuple[Completion, int]:
     """A completion through the connector, and the prompt tokens it claimed for it."""
     before = endpoint.counters()
     result = endpoint.complete(prompt, max_tokens)
@@ -103,7 +104,7 @@ def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
     endpoint.complete("Read the following and list its places.\n\n" + doc, max_tokens=2)
 
 
-def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
+def score_reference(endpoint: Endpoint, m: Measured, salt: str) -> None:
     """The reference's NLL after the prompt, cold (opted out, its own salt) and through the
     connector (reuse limited to the prompt)."""
     r = m.request
@@ -131,7 +132,7 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
             if donors:
                 before, to_capture = endpoint.counters(), 0
                 for d in donors:
-                    sent, claimed = _served(endpoint, d.prompt, max_tokens=2)
+                    sent, claimed = served_completion(endpoint, d.prompt, max_tokens=2)
                     # a donor served from another donor is not kept itself: nothing to wait for
                     to_capture += claimed < 0.5 * (sent.prompt_tokens or 1)
                 wait_for_donors(endpoint, before, to_capture, donor_wait_s)
@@ -144,13 +145,13 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
 
                 if len(out) % 2:
                     c = cold()
-                    s, claimed = _served(endpoint, r.prompt, max_tokens)
+                    s, claimed = served_completion(endpoint, r.prompt, max_tokens)
                 else:
-                    s, claimed = _served(endpoint, r.prompt, max_tokens)
+                    s, claimed = served_completion(endpoint, r.prompt, max_tokens)
                     c = cold()
                 m = Measured(r, c, s, claimed)
                 if perplexity and r.reference:
-                    _score(endpoint, m, salt)
+                    score_reference(endpoint, m, salt)
                 out.append(m)
                 if on_result is not None:
                     on_result(out[-1], len(out), total)

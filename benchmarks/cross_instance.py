@@ -1,0 +1,128 @@
+"""Cross-instance reuse: the ``cross-instruction`` workload split across two ``vllm serve``
+instances (SmolLM2-135M, CPU, loopback) that share one real ``redis-server`` as LMCache's remote
+backend and as the shared donor index. Every donor is sent to instance A, every target to
+instance B, which has never seen the donor's text: a target is a hit only through the shared
+index and LMCache. Each target is measured on B cold (connector opted out, fresh salt) and
+served, alternating which goes first, like ``semshare-bench``; also the time from A answering
+the donor to B having it in its index (capture, LMCache put to Redis, embedding, publish,
+B's read).
+
+    .venv/bin/python benchmarks/cross_instance.py --groups 6 --context-tokens 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from semshare_vllm.bench import report, workloads
+from semshare_vllm.bench.client import Endpoint
+from semshare_vllm.bench.measure import (
+    OPT_OUT,
+    Measured,
+    score_reference,
+    served_completion,
+    warm_up,
+)
+from semshare_vllm.testbed import models
+from semshare_vllm.testbed.redis_server import RedisServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+
+
+def shared_config(redis_url: str) -> dict:
+    return dict(SEMSHARE, kv_connector_extra_config={
+        "kv_tier": "lmcache", "lmcache_remote_url": redis_url, "shared_index_url": redis_url,
+        "host_store_bytes": "2GiB", "lmcache_local_cpu_bytes": "1GiB"})
+
+
+def wait_shared_in(b: Endpoint, before: float, timeout_s: float = 120) -> float | None:
+    """Seconds until B's index holds one more shared donor (None: not within the timeout)."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + timeout_s:
+        if b.counters().get("donors_shared_in", 0) > before:
+            return time.monotonic() - t0
+        b.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)   # let B's engine step
+        time.sleep(0.05)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--groups", type=int, default=6)
+    p.add_argument("--context-tokens", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--no-perplexity", dest="perplexity", action="store_false")
+    args = p.parse_args()
+
+    model = str(models.smollm2())
+    from transformers import AutoTokenizer
+
+    sizer = workloads.Sizer(AutoTokenizer.from_pretrained(model))
+    logs = Path(tempfile.mkdtemp(prefix="semshare-cross-"))
+    max_len = max(4096, max(args.context_tokens) + 512)
+    print(f"logs: {logs}")
+    with RedisServer() as redis, \
+            VllmServer(model, shared_config(redis.url), ["--block-size", "32"], logs / "a.log",
+                       max_model_len=max_len) as server_a, \
+            VllmServer(model, shared_config(redis.url), ["--block-size", "32"], logs / "b.log",
+                       max_model_len=max_len) as server_b:
+        a = Endpoint(server_a.url, server_a.served_name)
+        b = Endpoint(server_b.url, server_b.served_name)
+        warm_up(a)
+        warm_up(b)
+        summaries, propagation, fetch = {}, {}, {}
+        for tokens in args.context_tokens:
+            requests = workloads.build("cross-instruction", args.groups, tokens, sizer)
+            results, waits = [], []
+            fetch_before = b.counters()
+            for group in dict.fromkeys(r.group for r in requests):
+                donor = next(r for r in requests if r.group == group and r.role == "donor")
+                target = next(r for r in requests if r.group == group and r.role == "target")
+                before = b.counters().get("donors_shared_in", 0)
+                a.complete(donor.prompt, max_tokens=2)
+                waits.append(wait_shared_in(b, before))
+                salt = f"cross-instance-cold-{uuid.uuid4().hex}"
+                if len(results) % 2:
+                    cold = b.complete(target.prompt, args.max_tokens, cache_salt=salt,
+                                      kv_transfer_params=OPT_OUT)
+                    served, claimed = served_completion(b, target.prompt, args.max_tokens)
+                else:
+                    served, claimed = served_completion(b, target.prompt, args.max_tokens)
+                    cold = b.complete(target.prompt, args.max_tokens, cache_salt=salt,
+                                      kv_transfer_params=OPT_OUT)
+                m = Measured(target, cold, served, claimed)
+                if args.perplexity and target.reference:
+                    score_reference(b, m, salt)
+                results.append(m)
+                print(f"  {tokens} tokens, {group}: shared after "
+                      f"{waits[-1] if waits[-1] is not None else float('nan'):.2f} s, "
+                      f"claimed {claimed}/{m.prompt_tokens}, TTFT cold "
+                      f"{cold.ttft_s * 1e3:.0f} ms, served {served.ttft_s * 1e3:.0f} ms",
+                      flush=True)
+            after = b.counters()
+            summaries[tokens] = report.summarize(results)
+            seen = [w for w in waits if w is not None]
+            propagation[tokens] = (statistics.median(seen) if seen else None,
+                                   len(waits) - len(seen))
+            n = after.get("tier_fetches", 0) - fetch_before.get("tier_fetches", 0)
+            fetch[tokens] = (n, (after.get("tier_fetch_ms", 0)
+                                 - fetch_before.get("tier_fetch_ms", 0)) / n if n else None)
+        print("\nTargets on instance B, donors served by instance A:\n")
+        print(report.table(summaries))
+        print("\n| context | donor visible on B (median) | not shared in 120 s | B's fetches from "
+              "LMCache+Redis | mean fetch |")
+        print("|---|---|---|---|---|")
+        for tokens in args.context_tokens:
+            med, missing = propagation[tokens]
+            n, ms = fetch[tokens]
+            print(f"| {tokens:,} | {med:.2f} s | {missing} | {n:.0f} | "
+                  f"{ms:.0f} ms |" if med is not None and ms is not None else
+                  f"| {tokens:,} | {med} | {missing} | {n:.0f} | {ms} |")
+
+
+if __name__ == "__main__":
+    main()

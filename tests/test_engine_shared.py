@@ -1,0 +1,104 @@
+"""Two real `vllm serve` instances (loopback, different ports) sharing one real `redis-server`
+as LMCache's remote backend and as the shared donor index: a donor served by instance A is
+found and reused by instance B, in its own namespace only; Redis going away mid-run fails no
+request (local fallback, counted), and sharing resumes when it is back."""
+
+import time
+
+import pytest
+
+from semshare_vllm.testbed import models
+from semshare_vllm.testbed.redis_server import RedisServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+Q1 = "\n\nQuestion: What is the text above about? Answer:"
+Q2 = "\n\nSummarize the passage above in one sentence:"
+DOCS = {name: wiki_document(start, 900) for name, start in
+        [("shared", 300), ("unseen", 700), ("outage", 1100), ("after", 1500)]}
+ARGS = ["--block-size", "32", "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(models.smollm2())
+
+
+@pytest.fixture(scope="module")
+def cold(model, tmp_path_factory):
+    """vLLM's own answers, no connector."""
+    log = tmp_path_factory.mktemp("logs") / "cold.log"
+    with VllmServer(model, None, ARGS, log) as srv:
+        return {name: srv.complete(doc + Q2).text for name, doc in DOCS.items()}
+
+
+def shared_server(model, redis_url, log):
+    extra = {"host_store_bytes": "512MiB", "kv_tier": "lmcache",
+             "lmcache_local_cpu_bytes": "256MiB", "lmcache_remote_url": redis_url,
+             "shared_index_url": redis_url, "lookup_deadline_ms": 5000}
+    return VllmServer(model, dict(SEMSHARE, kv_connector_extra_config=extra), ARGS, log)
+
+
+def wait_for_stat(srv, name, at_least, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if srv.connector_stats().get(name, 0) >= at_least:
+            return
+        srv.complete("ping " * 3, max_tokens=1)  # keep the engine stepping (too short to keep)
+        time.sleep(0.5)
+    raise AssertionError(f"{name} never reached {at_least}: {srv.connector_stats()}")
+
+
+def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    redis = RedisServer().start()
+    try:
+        with shared_server(model, redis.url, tmp_path / "a.log") as a, \
+                shared_server(model, redis.url, tmp_path / "b.log") as b:
+            # A serves the donor; its KV goes to Redis, its record to the stream; B adds it.
+            # Only B is kept stepping: idle, A still announces it.
+            assert a.complete(DOCS["shared"] + Q1).cached_tokens == 0
+            wait_for_stat(b, "donors_shared_in", 1)
+            hit = b.complete(DOCS["shared"] + Q2)
+            assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
+            assert hit.text == cold["shared"]
+            wait_for_stat(b, "tier_fetches", 1)          # fetched from LMCache + Redis
+
+            # Namespaces stay hard boundaries across instances.
+            other = b.complete(DOCS["shared"] + Q2, cache_salt="another-tenant")
+            assert other.cached_tokens == 0 and other.text == cold["shared"]
+
+            # A donor B has never loaded, then Redis goes away.
+            a.complete(DOCS["unseen"] + Q1)
+            wait_for_stat(b, "donors_shared_in", 2)
+            redis.stop()
+            lost = b.complete(DOCS["unseen"] + Q2)       # its KV is unreachable: computed
+            assert lost.text == cold["unseen"]
+            wait_for_stat(b, "load_failures", 1)
+            kept = b.complete(DOCS["shared"] + Q2)       # already in B's host store: still a hit
+            assert kept.cached_tokens >= 0.8 * kept.prompt_tokens
+            assert kept.text == cold["shared"]
+            a.complete(DOCS["outage"] + Q1)              # captured locally; not shared
+            alone = b.complete(DOCS["outage"] + Q2)
+            assert alone.cached_tokens == 0 and alone.text == cold["outage"]
+            wait_for_stat(a, "tier_put_failures", 1)
+            for srv in (a, b):
+                assert "shared donor index at " + redis.url + " is unreachable" in srv.log_text()
+
+            # Redis is back (empty): sharing resumes for new donors.
+            redis.start()
+            a.complete(DOCS["after"] + Q1)
+            wait_for_stat(b, "donors_shared_in", 3)
+            back = b.complete(DOCS["after"] + Q2)
+            assert back.cached_tokens >= 0.8 * back.prompt_tokens
+            assert back.text == cold["after"]
+            wait_for_stat(b, "tier_fetches", 2)          # its stats line may still be due
+            stats_a, stats_b = a.connector_stats(), b.connector_stats()
+            logs = a.log_text() + b.log_text()
+    finally:
+        redis.stop()
+    assert "fallbacks" not in stats_a and "fallbacks" not in stats_b
+    assert stats_b["tier_fetches"] == 2 and "tier_fetches" not in stats_a
+    assert logs.count("is back") == 2 and "Traceback" not in logs
