@@ -22,16 +22,6 @@ HEAD_B = ("You are a careful assistant. The following text comes from an encyclo
           "all of it before you answer, and answer in one short sentence.\n\n")
 
 
-def wait_for_stat(srv, name, at_least, timeout_s=180):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if srv.connector_stats().get(name, 0) >= at_least:
-            return
-        srv.complete("ping " * 3, max_tokens=1, kv_transfer_params={"semshare": "off"})
-        time.sleep(0.5)
-    raise AssertionError(f"{name} never reached {at_least}: {srv.connector_stats()}")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +68,7 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         srv.complete(cases["donor"], max_tokens=4)
         srv.complete(cases["rag_donor"], max_tokens=4)
         srv.complete(cases["fact_donor"], max_tokens=4)
-        wait_for_stat(srv, "donors_embedded", 3)
+        srv.wait_for_stat("donors_embedded", 3, timeout_s=180)
 
         # another tenant, and a client opting out: no reuse at all
         other = srv.complete(cases["target"], max_tokens=12, cache_salt="tenant-b")
@@ -93,7 +83,7 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         assert rag.cached_tokens >= 0.7 * rag.prompt_tokens
         miss = srv.complete(cases["unrelated"], max_tokens=4)
         assert miss.cached_tokens == 0
-        wait_for_stat(srv, "semantic_hits", 2)
+        srv.wait_for_stat("semantic_hits", 2, timeout_s=180)
         # The answers start as cold's. (Greedy 135M continuations can part later at a near-tie:
         # this 527-token pair does at its 3rd token with r = 15% and not with r = 30%;
         # benchmarks/semantic_ttft.py reports ROUGE-L over pairs.)
@@ -108,7 +98,7 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
             fact = srv.complete(prompt, max_tokens=8)
             assert fact.cached_tokens >= 0.7 * fact.prompt_tokens
             assert answer in fact.text, (answer, fact.text, cold_text)
-        wait_for_stat(srv, "semantic_hits", 2 + len(cases["fact_targets"]))
+        srv.wait_for_stat("semantic_hits", 2 + len(cases["fact_targets"]), timeout_s=180)
 
         # 64 concurrent requests, hits and misses mixed: all complete, none fails
         prompts = [cases["target"] if i % 2 else wiki_document(2000 + 37 * i, 600)

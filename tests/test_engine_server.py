@@ -87,16 +87,6 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         assert "skipping persisted donor" in srv.log_text()
 
 
-def wait_for_stat(srv, name, at_least, timeout_s=120):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if srv.connector_stats().get(name, 0) >= at_least:
-            return
-        srv.complete("ping " * 3, max_tokens=1)  # keep the engine stepping (too short to keep)
-        time.sleep(0.5)
-    raise AssertionError(f"{name} never reached {at_least}: {srv.connector_stats()}")
 
 
 def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, monkeypatch):
@@ -109,14 +99,14 @@ def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, m
     article = DOCS["kept"]
     with VllmServer(model, cfg, ARGS, tmp_path / "discovery.log") as srv:
         srv.complete(article + Q1)                                   # becomes the donor
-        wait_for_stat(srv, "donors_embedded", 1)
+        srv.wait_for_stat("donors_embedded", 1)
         # Through the chat API: the template wraps it, the embedder reads the detokenised ids.
         srv.chat("Read the article below, then do as asked.\n\n" + article + Q2)
-        wait_for_stat(srv, "semantic_found", 1)
+        srv.wait_for_stat("semantic_found", 1)
         srv.chat("Read the article below, then do as asked.\n\n" + article + Q2,
                  cache_salt="another-tenant")                        # no donors there: no search
         srv.complete(wiki_document(5000, 1500) + Q2)                 # unrelated: searched, none
-        wait_for_stat(srv, "semantic_misses", 1)
+        srv.wait_for_stat("semantic_misses", 1)
         stats = srv.connector_stats()
     assert stats["semantic_found"] == 1 and stats["semantic_misses"] == 1
     assert stats["semantic_lookups"] == 2
@@ -148,7 +138,7 @@ def test_serve_reaches_the_model_and_recomputes(model, cold, tmp_path, monkeypat
         hit = srv.complete(DOCS["kept"] + Q2)
         assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
         assert hit.text == cold["kept"]
-        wait_for_stat(srv, "recomputed_tokens", hit.cached_tokens)
+        srv.wait_for_stat("recomputed_tokens", hit.cached_tokens)
         stats = srv.connector_stats()
         log = srv.log_text()
     assert stats["recomputed_tokens"] == hit.cached_tokens

@@ -3,8 +3,6 @@ as LMCache's remote backend and as the shared donor index: a donor served by ins
 found and reused by instance B, in its own namespace only; Redis going away mid-run fails no
 request (local fallback, counted), and sharing resumes when it is back."""
 
-import time
-
 import pytest
 
 from semshare_vllm.testbed import models
@@ -41,18 +39,11 @@ def shared_server(model, redis_url, log):
     return VllmServer(model, dict(SEMSHARE, kv_connector_extra_config=extra), ARGS, log)
 
 
-def wait_for_stat(srv, name, at_least, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if srv.connector_stats().get(name, 0) >= at_least:
-            return
-        srv.complete("ping " * 3, max_tokens=1)  # keep the engine stepping (too short to keep)
-        time.sleep(0.5)
-    raise AssertionError(f"{name} never reached {at_least}: {srv.connector_stats()}")
 
 
 def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")   # two engines on one machine
     redis = RedisServer().start()
     try:
         with shared_server(model, redis.url, tmp_path / "a.log") as a, \
@@ -60,11 +51,11 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             # A serves the donor; its KV goes to Redis, its record to the stream; B adds it.
             # Only B is kept stepping: idle, A still announces it.
             assert a.complete(DOCS["shared"] + Q1).cached_tokens == 0
-            wait_for_stat(b, "donors_shared_in", 1)
+            b.wait_for_stat("donors_shared_in", 1)
             hit = b.complete(DOCS["shared"] + Q2)
             assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
             assert hit.text == cold["shared"]
-            wait_for_stat(b, "tier_fetches", 1)          # fetched from LMCache + Redis
+            b.wait_for_stat("tier_fetches", 1)          # fetched from LMCache + Redis
 
             # Namespaces stay hard boundaries across instances.
             other = b.complete(DOCS["shared"] + Q2, cache_salt="another-tenant")
@@ -72,29 +63,29 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
 
             # A donor B has never loaded, then Redis goes away.
             a.complete(DOCS["unseen"] + Q1)
-            wait_for_stat(b, "donors_shared_in", 2)
+            b.wait_for_stat("donors_shared_in", 2)
             redis.stop()
             lost = b.complete(DOCS["unseen"] + Q2)       # its KV is unreachable: computed
             assert lost.text == cold["unseen"]
-            wait_for_stat(b, "load_failures", 1)
+            b.wait_for_stat("load_failures", 1)
             kept = b.complete(DOCS["shared"] + Q2)       # already in B's host store: still a hit
             assert kept.cached_tokens >= 0.8 * kept.prompt_tokens
             assert kept.text == cold["shared"]
             a.complete(DOCS["outage"] + Q1)              # captured locally; not shared
             alone = b.complete(DOCS["outage"] + Q2)
             assert alone.cached_tokens == 0 and alone.text == cold["outage"]
-            wait_for_stat(a, "tier_put_failures", 1)
+            a.wait_for_stat("tier_put_failures", 1)
             for srv in (a, b):
                 assert "shared donor index at " + redis.url + " is unreachable" in srv.log_text()
 
             # Redis is back (empty): sharing resumes for new donors.
             redis.start()
             a.complete(DOCS["after"] + Q1)
-            wait_for_stat(b, "donors_shared_in", 3)
+            b.wait_for_stat("donors_shared_in", 3)
             back = b.complete(DOCS["after"] + Q2)
             assert back.cached_tokens >= 0.8 * back.prompt_tokens
             assert back.text == cold["after"]
-            wait_for_stat(b, "tier_fetches", 2)          # its stats line may still be due
+            b.wait_for_stat("tier_fetches", 2)          # its stats line may still be due
             stats_a, stats_b = a.connector_stats(), b.connector_stats()
             logs = a.log_text() + b.log_text()
     finally:

@@ -242,29 +242,69 @@ def shared_config():
                           shared_index_url="redis://h:1")
 
 
-def test_a_donor_is_announced_once_every_rank_has_it_in_the_tier():
-    from semshare_vllm.metadata import SemShareWorkerMetadata
+class FakeDiscovery:
+    """Embeds nothing; registrations wait in ``registered`` (the real service is tested in
+    test_discovery)."""
 
-    feed = FakeFeed()
-    s = SemShareScheduler(shared_config(), geometry(tp_size=2), feed=feed)
+    failed = None
+    embedder_id = "embedder-x"
+
+    def __init__(self):
+        from semshare_vllm.discovery.vector_index import VectorIndex
+
+        self.index = VectorIndex(kind="exact")
+        self.registered = []
+
+    def register(self, key, serial, token_ids, then=None):
+        self.registered.append((key, serial, token_ids, then))
+
+    def take_embedded(self):
+        return []
+
+    def take_faults(self):
+        return 0
+
+    def run_background(self, job):
+        pass
+
+    def stop_registrations(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_captured_donor_is_announced_with_its_embedding():
+    import numpy as np
+
+    from semshare_vllm.discovery.embedder import DocumentEmbedding
+    from semshare_vllm.discovery.service import Embedded
+
+    feed, discovery = FakeFeed(), FakeDiscovery()
+    s = SemShareScheduler(shared_config(), geometry(tp_size=2), discovery, feed=feed)
     donor = list(range(100))
     finish(s, donor, salt="t")
     key = s.build_connector_meta(None).captures[0].key
-    out = lambda tiered: SimpleNamespace(   # noqa: E731
-        finished_sending=None, kv_connector_worker_meta=SemShareWorkerMetadata(tiered=tiered))
-    assert s.has_pending_push_work()            # an idle engine keeps stepping for it
-    s.update_connector_output(out([key]))
-    assert feed.published == []                 # one rank of two
-    s.update_connector_output(out([key]))
-    assert [r.donor_id for r in feed.published] == [key.donor_id]
-    assert not s.has_pending_push_work()
-    record = feed.published[0]
-    assert record.namespace == "t" and record.token_ids == donor + [7]
-    assert record.num_prompt_tokens == 100
-    s.update_connector_output(out([key]))
-    assert len(feed.published) == 1             # never twice
+    assert feed.published == []                 # not before it is embedded
+    (reg_key, serial, tokens, then), = discovery.registered
+    assert reg_key == key and tokens == donor   # the prompt is what is embedded
+    emb = DocumentEmbedding(np.ones(384, np.float32), np.ones((1, 384), np.float32), 90)
+    then(Embedded(key, serial, emb, 1234, 5.0))  # on the discovery thread
+    record, = feed.published
+    assert (record.namespace, record.donor_id) == ("t", key.donor_id)
+    assert record.token_ids == donor + [7] and record.num_prompt_tokens == 100
+    assert record.ranks == 2 and record.embedding is emb and record.fingerprint == 1234
+    assert record.embedder_id == "embedder-x"
     s.shutdown()
     assert feed.closed
+
+
+def test_without_discovery_a_donor_is_announced_at_capture():
+    feed = FakeFeed()
+    s = SemShareScheduler(shared_config(), geometry(), feed=feed)
+    finish(s, list(range(100)))
+    record, = feed.published
+    assert record.embedding is None and record.ranks == 1
 
 
 def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
@@ -286,19 +326,4 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     s.update_state_after_alloc(target, Blocks(list(range(5))), 128)
     load = s.build_connector_meta(None).loads[0]
     assert load.key == DonorKey("t", good.donor_id) and load.donor_token_ids == tokens
-    # A shared donor is never announced again by this instance.
-    s.update_connector_output(SimpleNamespace(
-        finished_sending=None,
-        kv_connector_worker_meta=SemShareWorkerMetadata(tiered=[load.key])))
-    assert feed.published == []
-
-
-def test_a_donor_the_tier_did_not_take_is_not_waited_for():
-    s = SemShareScheduler(shared_config(), geometry(), feed=FakeFeed())
-    finish(s, list(range(100)))
-    key = s.build_connector_meta(None).captures[0].key
-    assert s.has_pending_push_work()
-    s.update_connector_output(SimpleNamespace(
-        finished_sending=None, kv_connector_worker_meta=SemShareWorkerMetadata(untiered=[key])))
-    assert not s.has_pending_push_work()
-    assert not SemShareScheduler(SemShareConfig(), geometry()).has_pending_push_work()
+    assert feed.published == []                 # never announced again by this instance

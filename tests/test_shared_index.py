@@ -1,6 +1,7 @@
 """The shared donor index (``shared_index.SharedDonorFeed``) on a real ``redis-server``: records
-cross instances intact, an instance never reads its own, a late instance catches up, an outage
-is counted and survived, and reading resumes when Redis is back."""
+cross instances intact once every rank's KV is marked readable (not before), an instance never
+reads its own, a late instance catches up, an outage is counted and survived, and reading
+resumes when Redis is back."""
 
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding
-from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
+from semshare_vllm.shared_index import KVReadyMarks, SharedDonor, SharedDonorFeed
 from semshare_vllm.testbed.redis_server import RedisServer
 
 
@@ -20,7 +21,17 @@ def donor(i, ns="", with_embedding=True):
         emb = DocumentEmbedding(vec / np.linalg.norm(vec),
                                 rng.standard_normal((3, 384)).astype(np.float32), 700)
     return SharedDonor(ns, f"donor-{i}", rng.integers(0, 49152, 300 + i).tolist(), 250,
-                       emb, int(rng.integers(0, 2**63)) if with_embedding else None, "minilm-x")
+                       embedding=emb, embedder_id="minilm-x",
+                       fingerprint=int(rng.integers(0, 2**63)) if with_embedding else None)
+
+
+def publish_ready(feed, record, ranks=(0,)):
+    """Publish ``record`` and mark its KV readable, as the workers of its instance would."""
+    for rank in ranks:
+        marks = KVReadyMarks(feed.url, feed.fingerprint, rank)
+        assert marks.mark(record.donor_id)
+        marks.close()
+    feed.publish(record)
 
 
 def arrivals(feed, n, timeout_s=10.0):
@@ -42,7 +53,7 @@ def test_records_cross_instances_intact_and_never_come_back_to_their_sender(redi
     try:
         sent = [donor(1), donor(2, ns="tenant-b", with_embedding=False)]
         for record in sent:
-            a.publish(record)
+            publish_ready(a, record)
         got = arrivals(b, 2)
         assert [r.donor_id for r in got] == ["donor-1", "donor-2"]
         first, second = got
@@ -67,7 +78,7 @@ def test_a_late_instance_catches_up_and_other_models_stay_apart(redis):
     other_model = SharedDonorFeed(redis.url, "another-fingerprint")
     try:
         for i in range(5):
-            a.publish(donor(i))
+            publish_ready(a, donor(i))
         late = SharedDonorFeed(redis.url, "fp")
         try:
             assert sorted(r.donor_id for r in arrivals(late, 5)) == \
@@ -85,7 +96,7 @@ def test_an_outage_is_counted_and_reading_resumes_when_redis_is_back():
     server = RedisServer().start()
     a, b = SharedDonorFeed(server.url, "fp"), SharedDonorFeed(server.url, "fp")
     try:
-        a.publish(donor(1))
+        publish_ready(a, donor(1))
         assert len(arrivals(b, 1)) == 1
         server.stop()
         a.publish(donor(2))                               # lost, counted; nothing raises
@@ -97,7 +108,7 @@ def test_an_outage_is_counted_and_reading_resumes_when_redis_is_back():
         deadline = time.monotonic() + 20
         while not (a.connected and b.connected) and time.monotonic() < deadline:
             time.sleep(0.05)
-        a.publish(donor(3))
+        publish_ready(a, donor(3))
         # donor-2 went out after the restart, or was lost to the outage (counted): either way
         # donor-3 arrives, and nothing twice
         got = [r.donor_id for r in arrivals(b, 2, timeout_s=5)]
@@ -121,7 +132,7 @@ def test_an_unreadable_record_is_dropped_and_counted(redis):
         client.xadd(feed.stream, {b"v": b"1", b"instance": b"x"})         # fields missing
         feed_b = SharedDonorFeed(redis.url, "fp")
         try:
-            feed_b.publish(donor(4))
+            publish_ready(feed_b, donor(4))
             assert [r.donor_id for r in arrivals(feed, 1)] == ["donor-4"]
             assert feed.take_counts().get("dropped") == 2
         finally:
@@ -129,3 +140,23 @@ def test_an_unreadable_record_is_dropped_and_counted(redis):
         client.close()
     finally:
         feed.close()
+
+
+def test_a_record_waits_for_every_rank_and_is_dropped_if_its_kv_never_comes(redis):
+    a = SharedDonorFeed(redis.url, "fp")
+    b = SharedDonorFeed(redis.url, "fp", ready_wait_s=1.0)
+    try:
+        two_ranks = donor(5)
+        two_ranks.ranks = 2
+        publish_ready(a, two_ranks, ranks=(0,))        # rank 1's put is still in flight
+        a.publish(donor(6))                            # its KV never becomes readable
+        assert arrivals(b, 1, timeout_s=0.5) == []
+        marks = KVReadyMarks(redis.url, "fp", 1)
+        marks.mark("donor-5")
+        marks.close()
+        assert [r.donor_id for r in arrivals(b, 1)] == ["donor-5"]
+        time.sleep(1.5)
+        assert b.take_arrived() == [] and b.take_counts().get("unready") == 1
+    finally:
+        a.close()
+        b.close()

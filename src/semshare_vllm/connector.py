@@ -120,10 +120,6 @@ class SemShareConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
-    def has_pending_push_work(self) -> bool:
-        # a captured donor still to be announced on the shared index keeps an idle engine stepping
-        return self.scheduler is not None and self.scheduler.has_pending_push_work()
-
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)

@@ -70,9 +70,6 @@ class DonorRecord:
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
-    # shared index: "local" (captured here), "published" (announced to other instances),
-    # "shared" (announced by another instance; its KV is in the shared LMCache backend)
-    origin: str = "local"
 
     @property
     def prompt_token_ids(self) -> list[int]:

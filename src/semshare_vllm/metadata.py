@@ -83,10 +83,6 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     recompute_ready: bool | None = None
     # (donor, measured deviation) of each semantic load repaired this step
     deviations: list[tuple[DonorKey, float]] = field(default_factory=list)
-    # donors whose KV is now readable from the LMCache tier's remote backend, one entry per
-    # rank that stored its shard (the scheduler announces a donor once every rank has)
-    tiered: list[DonorKey] = field(default_factory=list)
-    untiered: list[DonorKey] = field(default_factory=list)   # puts that failed
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -96,6 +92,4 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
         ready = [r for r in (self.recompute_ready, other.recompute_ready) if r is not None]
         return SemShareWorkerMetadata(merged, min(caps) if caps else None,
                                       all(ready) if ready else None,
-                                      self.deviations + other.deviations,
-                                      self.tiered + other.tiered,
-                                      self.untiered + other.untiered)
+                                      self.deviations + other.deviations)

@@ -14,9 +14,9 @@ their vectors to the catalog.
 Capture: when a request finishes, keep its blocks (``delay_free``) until the worker has copied
 its KV into the host store and reported the request in ``finished_sending``.
 
-Across instances (``shared_index_url``): once the worker reports a donor readable in LMCache's
-shared backend and it is embedded, its record is announced on the shared index
-(``shared_index.py``); the donors other instances announce join this catalog as "shared" ones,
+Across instances (``shared_index_url``): each donor captured here is announced on the shared
+index (``shared_index.py``) with its embedding, from the discovery thread once it is embedded;
+the donors other instances announce (once their KV is readable) join this catalog, and are
 loaded through the LMCache tier on first use.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,11 +104,6 @@ def wants_prompt_logprobs(request) -> bool:
 
 # How often (at most) the donors' embeddings are written beside their KV files.
 SNAPSHOT_INTERVAL_S = 30.0
-# Shared index: how long the engine keeps stepping for a captured donor to be announced (its
-# LMCache put and its embedding run off the engine thread, and only a step reports them), and
-# how long an idle step then sleeps, so that those threads get the CPU.
-PUBLISH_WAIT_S = 60.0
-IDLE_STEP_S = 0.005
 
 
 def namespace_of(request) -> str:
@@ -148,8 +142,6 @@ class SemShareScheduler:
                                 self.discovery.index if self.discovery else None)
         self.found: dict[str, SemanticMatch] = {}       # req_id -> donors discovery found
         self.feed = None if geometry.unsupported else feed
-        self._tier_reports: Counter[DonorKey] = Counter()  # ranks that put a donor in the tier
-        self._to_publish: dict[DonorKey, float] = {}       # captured, not yet announced: deadline
         self._lookups: dict[str, _PendingLookup] = {}
         self._snapshot_dirty = False
         self._snapshot_at = time.monotonic()
@@ -266,41 +258,28 @@ class SemShareScheduler:
                 self.stats.add("donors_embedded")
                 self.stats.add("embed_ms", e.embed_ms)
                 self._snapshot_dirty = True
-                self._maybe_publish(e.key)
         faults = self.discovery.take_faults()
         if faults:
             self.stats.add("discovery_faults", faults)
 
     # ---- the shared index ----------------------------------------------------------------------
-    def _maybe_publish(self, key: DonorKey) -> None:
-        """Announce a donor captured here once every rank's KV is readable from the shared
-        backend and it is embedded (or will never be: discovery is off)."""
+    def _announce(self, record: DonorRecord) -> None:
+        """Publish a donor captured here; with discovery on, once it is embedded (on the
+        discovery thread: nothing waits for vLLM to step). Readers wait for its KV themselves."""
         if self.feed is None:
             return
-        record = self.index.get(key)
-        if record is None:
-            self._tier_reports.pop(key, None)
+        feed, key = self.feed, record.key
+        shared = SharedDonor(key.namespace, key.donor_id, list(record.token_ids),
+                             len(record.prompt_token_ids), self.geometry.tp_size)
+        if self.discovery is None or self.discovery.failed:
+            feed.publish(shared)
             return
-        if record.origin != "local" or self._tier_reports[key] < self.geometry.tp_size:
-            return
-        if record.embedding is None and self.discovery is not None and not self.discovery.failed:
-            return   # published when its embedding arrives
-        del self._tier_reports[key]
-        self._to_publish.pop(key, None)
-        record.origin = "published"
-        self.feed.publish(SharedDonor(
-            key.namespace, key.donor_id, list(record.token_ids), len(record.prompt_token_ids),
-            record.embedding, record.fingerprint,
-            self.discovery.embedder_id if self.discovery is not None else ""))
+        shared.embedder_id = self.discovery.embedder_id
 
-    def has_pending_push_work(self) -> bool:
-        """True while a donor captured here waits to be announced: vLLM keeps stepping an idle
-        engine for it (each step reports the worker's puts), at most ``PUBLISH_WAIT_S``."""
-        now = time.monotonic()
-        for key, deadline in list(self._to_publish.items()):
-            if deadline < now or key not in self.index:
-                del self._to_publish[key]
-        return bool(self._to_publish)
+        def with_embedding(embedded) -> None:
+            shared.embedding, shared.fingerprint = embedded.embedding, embedded.fingerprint
+            feed.publish(shared)
+        self._embed_later(record, with_embedding)
 
     def _absorb_shared(self) -> None:
         """Add the donors other instances announced (on this thread, which owns the catalog)."""
@@ -310,6 +289,7 @@ class SemShareScheduler:
         for name, counter in (("published", "donors_published"),
                               ("publish_failures", "shared_publish_failures"),
                               ("dropped", "shared_records_dropped"),
+                              ("unready", "shared_records_unready"),
                               ("outages", "shared_index_outages")):
             if counts.get(name):
                 self.stats.add(counter, counts[name])
@@ -324,8 +304,7 @@ class SemShareScheduler:
             n = len(tokens)
             record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
                                  block_hashes(tokens, self.geometry.block_size),
-                                 num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n),
-                                 origin="shared")
+                                 num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n))
             evicted = self.index.add(record)
             if key in evicted:
                 continue
@@ -573,9 +552,6 @@ class SemShareScheduler:
         self._absorb_embeddings()
         self._absorb_shared()
         self._maybe_snapshot()
-        if self._to_publish and not meta.loads and not meta.captures and \
-                not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
-            time.sleep(IDLE_STEP_S)   # an idle step kept only for announcements (see above)
         return meta
 
     # ---- capture ------------------------------------------------------------------------------
@@ -631,11 +607,12 @@ class SemShareScheduler:
         if key in evicted:  # larger than the whole store
             return False, None
         self._evict(evicted)
-        self._embed_later(record)
+        if self.feed is not None:
+            self._announce(record)          # embeds it too
+        else:
+            self._embed_later(record)
         self._captures.append(CaptureSpec(request.request_id, key, token_ids, blocks))
         self._capturing.add(request.request_id)
-        if self.feed is not None:
-            self._to_publish[key] = time.monotonic() + PUBLISH_WAIT_S
         self.stats.add("donors_registered")
         return True, None
 
@@ -653,11 +630,6 @@ class SemShareScheduler:
                 if key in self.index:
                     self.report_deviation(key, min(1.0, deviation))
         if isinstance(meta, SemShareWorkerMetadata):
-            for key in meta.tiered:
-                self._tier_reports[key] += 1
-                self._maybe_publish(key)
-            for key in meta.untiered:       # never announced: stop waiting for it
-                self._to_publish.pop(key, None)
             if meta.capacity_bytes is not None:
                 self._evict(self.index.shrink(meta.capacity_bytes))
             for key in meta.bad_donors:
@@ -671,9 +643,10 @@ class SemShareScheduler:
             self.stats.add("donors_evicted", len(keys))
             self._snapshot_dirty = True
 
-    def _embed_later(self, record: DonorRecord) -> None:
+    def _embed_later(self, record: DonorRecord, then=None) -> None:
+        """Embed the donor on the discovery thread (``then(embedded)`` runs there after)."""
         if self.discovery is not None and record.serial and record.key in self.index:
-            self.discovery.register(record.key, record.serial, record.prompt_token_ids)
+            self.discovery.register(record.key, record.serial, record.prompt_token_ids, then)
             self._prepare_alignment(record)
 
     def _prepare_alignment(self, record: DonorRecord) -> None:

@@ -1,11 +1,17 @@
 """The donor index shared across vLLM instances: a Redis (or Valkey) stream of donor records.
 
-Each instance publishes a record for every donor it captured once that donor's KV is readable
-from the shared LMCache backend (``kv_tier`` "lmcache" with ``lmcache_remote_url``), and reads
-every other instance's records into its own catalog and search index. A record holds what a
-lookup and an alignment need: the namespace, the donor's token ids (its id is derived from them
-and checked on arrival), how many are prompt, and its embedding. The KV location needs no
-field: it is LMCache's keys of the donor's tokens, which every instance derives alike.
+Each instance publishes a record for every donor it captures, and reads every other instance's
+records into its own catalog and search index. A record holds what a lookup and an alignment
+need: the namespace, the donor's token ids (its id is derived from them and checked on arrival),
+how many are prompt, and its embedding. The KV location needs no field: it is LMCache's keys of
+the donor's tokens (``kv_tier`` "lmcache" with ``lmcache_remote_url``), which every instance
+derives alike.
+
+Record and KV travel apart, and neither waits for vLLM to step an idle engine: the scheduler
+publishes the record when the donor's embedding is ready (on the discovery thread), and each
+worker rank, once its LMCache put is readable, sets a small readiness key (``KVReadyMarks``). A
+reader holds a record until every rank's key exists (dropped, counted, after ``READY_WAIT_S``),
+so another instance never claims KV that is not there yet.
 
 One stream per model geometry (``KVGeometry.fingerprint``), so instances serving other models or
 layouts never see each other's donors. A new instance reads the stream from its start (catch-up),
@@ -24,6 +30,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -39,10 +46,39 @@ READ_BATCH = 256               # records per XREAD
 BLOCK_MS = 100                 # how long one XREAD waits for new records (publishes wait at most that)
 MAX_PENDING = 10_000           # records arrived but not yet taken by the scheduler
 RETRY_S = (0.2, 5.0)           # pause after a failure: first, largest (doubling)
+READY_WAIT_S = 120.0           # how long a record waits for its KV's readiness keys
+READY_TTL_S = 7 * 24 * 3600    # readiness keys expire (the KV is usually evicted sooner)
 
 
 def stream_name(fingerprint: str) -> str:
     return f"semshare:donors:{fingerprint}"
+
+
+def ready_key(fingerprint: str, donor_id: str, rank: int) -> str:
+    return f"semshare:ready:{fingerprint}:{donor_id}:{rank}"
+
+
+class KVReadyMarks:
+    """A worker rank's side: say that a donor's KV shard is readable from LMCache's backend."""
+
+    def __init__(self, url: str, fingerprint: str, rank: int):
+        import redis
+
+        self.fingerprint, self.rank = fingerprint, rank
+        self._redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self._errors = (redis.RedisError, OSError)
+
+    def mark(self, donor_id: str) -> bool:
+        """False when Redis is unreachable (the record then waits, then is dropped)."""
+        try:
+            self._redis.set(ready_key(self.fingerprint, donor_id, self.rank), b"1",
+                            ex=READY_TTL_S)
+            return True
+        except self._errors:
+            return False
+
+    def close(self) -> None:
+        self._redis.close()
 
 
 @dataclass
@@ -51,6 +87,7 @@ class SharedDonor:
     donor_id: str
     token_ids: list[int]
     num_prompt_tokens: int
+    ranks: int = 1                          # tensor-parallel ranks holding a KV shard each
     embedding: DocumentEmbedding | None = None
     fingerprint: int | None = None          # the prompt's SimHash
     embedder_id: str = ""                   # vectors from another embedder are not used
@@ -60,6 +97,7 @@ class SharedDonor:
                   b"id": self.donor_id.encode(),
                   b"tokens": np.asarray(self.token_ids, dtype="<i4").tobytes(),
                   b"prompt": str(self.num_prompt_tokens).encode(),
+                  b"ranks": str(self.ranks).encode(),
                   b"embedder": self.embedder_id.encode()}
         if self.embedding is not None and self.fingerprint is not None:
             e = self.embedding
@@ -77,7 +115,8 @@ class SharedDonor:
             raise ValueError(f"record format {fields.get(b'v')!r}")
         record = cls(fields[b"ns"].decode(), fields[b"id"].decode(),
                      np.frombuffer(fields[b"tokens"], dtype="<i4").astype(np.int64).tolist(),
-                     int(fields[b"prompt"]), embedder_id=fields[b"embedder"].decode())
+                     int(fields[b"prompt"]), int(fields[b"ranks"]),
+                     embedder_id=fields[b"embedder"].decode())
         if b"vec" in fields:
             vector = np.frombuffer(fields[b"vec"], dtype="<f4").copy()
             rows = int(fields[b"seg_rows"])
@@ -88,18 +127,24 @@ class SharedDonor:
 
 
 class SharedDonorFeed:
-    """Publish this instance's donor records; collect the other instances' (``take_arrived``)."""
+    """Publish this instance's donor records; collect the other instances' whose KV is readable
+    (``take_arrived``)."""
 
-    def __init__(self, url: str, fingerprint: str, instance: str | None = None):
+    def __init__(self, url: str, fingerprint: str, instance: str | None = None,
+                 ready_wait_s: float = READY_WAIT_S):
         import redis
 
         self.url = url
+        self.fingerprint = fingerprint
         self.stream = stream_name(fingerprint)
+        self.ready_wait_s = ready_wait_s
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         self._errors = (redis.RedisError, OSError)
         self._outbox: collections.deque[SharedDonor] = collections.deque()
         self._arrived: collections.deque[SharedDonor] = collections.deque()
+        # read, waiting for their KV's readiness keys: donor id -> (record, when first read)
+        self._unready: dict[str, tuple[SharedDonor, float]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._last_id = b"0-0"            # catch up from the stream's start
@@ -113,6 +158,7 @@ class SharedDonorFeed:
 
     # ---- scheduler thread ---------------------------------------------------------------------
     def publish(self, record: SharedDonor) -> None:
+        """Queue a record (any thread)."""
         self._outbox.append(record)
 
     def take_arrived(self) -> list[SharedDonor]:
@@ -123,7 +169,8 @@ class SharedDonorFeed:
 
     def take_counts(self) -> dict[str, int]:
         """Counts since the last call: published, publish_failures, received, dropped (records
-        this format cannot read, or beyond ``MAX_PENDING``), outages."""
+        this format cannot read, or beyond ``MAX_PENDING``), unready (their KV never became
+        readable), outages."""
         with self._lock:
             out, self._counts = dict(self._counts), collections.Counter()
         return out
@@ -151,6 +198,7 @@ class SharedDonorFeed:
             try:
                 self._publish_pending()
                 self._read()
+                self._release_ready()
             except self._errors as exc:
                 if not self._down:
                     self._down = True
@@ -193,8 +241,28 @@ class SharedDonorFeed:
                     continue
                 if instance == self.instance:
                     continue
-                if len(self._arrived) >= MAX_PENDING:
+                if len(self._unready) + len(self._arrived) >= MAX_PENDING:
                     self._count("dropped")
                     continue
+                self._unready[record.donor_id] = (record, time.monotonic())
+
+    def _release_ready(self) -> None:
+        """Hand over the records whose every KV shard is readable; drop those that waited too
+        long (their instance's put failed, or it went away)."""
+        if not self._unready:
+            return
+        waiting = list(self._unready.values())
+        pipe = self._redis.pipeline(transaction=False)
+        for record, _ in waiting:
+            pipe.exists(*[ready_key(self.fingerprint, record.donor_id, r)
+                          for r in range(record.ranks)])
+        found = pipe.execute()
+        now = time.monotonic()
+        for (record, since), n in zip(waiting, found):
+            if n == record.ranks:
+                del self._unready[record.donor_id]
                 self._arrived.append(record)
                 self._count("received")
+            elif now - since > self.ready_wait_s:
+                del self._unready[record.donor_id]
+                self._count("unready")

@@ -42,6 +42,8 @@ COUNTERS: dict[str, str] = {
     "donors_shared_in": "donors other instances announced, added to this instance's index",
     "shared_records_dropped": "shared-index records not used (unreadable, id not matching "
                               "their tokens, backlog full)",
+    "shared_records_unready": "shared-index records dropped because their KV never became "
+                              "readable (the announcing instance's LMCache put failed)",
     "shared_index_outages": "times the shared index became unreachable (this instance went on "
                             "with its own donors until it was back)",
     "shared_publish_failures": "donor announcements lost to a shared-index outage",

@@ -8,10 +8,10 @@ blocks; a load whose donor is still being captured copies straight from the dono
 is reported in ``finished_sending`` when its copy is done, which frees its blocks.
 
 With an LMCache tier (``kv_tier`` "lmcache"), each captured donor is also put there, on a thread
-of its own (it may wait for a remote backend), and reported to the scheduler once readable
-(``tiered``: the scheduler then announces it to other instances). A load whose donor is not in
-the host store (another instance's donor, or one the pool let go) fetches it from the tier into
-the host store first, then goes on as usual.
+of its own (it may wait for a remote backend); with a shared index, that thread then marks the
+donor's shard readable for other instances (``shared_index.KVReadyMarks``). A load whose donor
+is not in the host store (another instance's donor, or one the pool let go) fetches it from the
+tier into the host store first, then goes on as usual.
 
 Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
 bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
@@ -86,9 +86,8 @@ class SemShareWorker:
         self._bad_donors: list[DonorKey] = []
         self._capacity_report: int | None = None
         self._tier_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
-        self._tier_puts: list[tuple[DonorKey, Future]] = []
-        self._tiered: list[DonorKey] = []
-        self._untiered: list[DonorKey] = []
+        self._tier_puts: list[Future] = []
+        self._ready_marks = None     # shared_index.KVReadyMarks, with shared_index_url
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
@@ -157,9 +156,10 @@ class SemShareWorker:
                            page_layout=self.layout)
 
     def _make_tier(self) -> DonorKVStore | None:
-        """LMCache as the donors' second tier, when configured. If it cannot be set up (the
-        extra is not installed, a bad backend URL), this worker goes on with the host store
-        alone, with one warning."""
+        """LMCache as the donors' second tier, when configured (and, with a shared index, the
+        readiness keys other instances wait for). If it cannot be set up (the extra is not
+        installed, a bad backend URL), this worker goes on with the host store alone, with one
+        warning."""
         if self.config.kv_tier != "lmcache":
             return None
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -167,16 +167,21 @@ class SemShareWorker:
         try:
             from semshare_vllm.lmcache_store import LMCacheKVStore
 
-            g = self.geometry
+            g, rank = self.geometry, get_tensor_model_parallel_rank()
+            if self.config.shared_index_url:
+                from semshare_vllm.shared_index import KVReadyMarks
+
+                self._ready_marks = KVReadyMarks(self.config.shared_index_url, g.fingerprint,
+                                                 rank)
             return LMCacheKVStore(
                 len(g.layer_names), g.num_kv_heads, g.head_size, g.dtype,
                 model_name=g.fingerprint,   # keys differ wherever the KV geometry differs
                 local_cpu_bytes=self.config.lmcache_local_cpu_bytes,
-                remote_url=self.config.lmcache_remote_url,
-                tp_rank=get_tensor_model_parallel_rank(), tp_size=g.tp_size)
+                remote_url=self.config.lmcache_remote_url, tp_rank=rank, tp_size=g.tp_size)
         except Exception as exc:
             logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in "
                            "the host store of this instance): %s: %s", type(exc).__name__, exc)
+            self._ready_marks = None
             return None
 
     # ---- per step -----------------------------------------------------------------------------
@@ -239,23 +244,20 @@ class SemShareWorker:
             warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
                       key.donor_id, exc)
             kept = False
+        if kept and self._ready_marks is not None:
+            kept = self._ready_marks.mark(key.donor_id)   # other instances may now load it
         return (time.perf_counter() - t0) * 1e3 if kept else None
 
     def _reap_tier_puts(self) -> None:
-        pending = []
-        for key, future in self._tier_puts:
-            if not future.done():
-                pending.append((key, future))
-                continue
+        """Count the tier puts done (their stats only: nothing waits for them here)."""
+        for future in [f for f in self._tier_puts if f.done()]:
+            self._tier_puts.remove(future)
             ms = future.result()
             if ms is None:
                 self.stats.add("tier_put_failures")
-                self._untiered.append(key)
-                continue
-            self._tiered.append(key)
-            self.stats.add("tier_puts")
-            self.stats.add("tier_put_ms", ms)
-        self._tier_puts = pending
+            else:
+                self.stats.add("tier_puts")
+                self.stats.add("tier_put_ms", ms)
 
     def _reap(self, wait_for: DonorKey | None = None) -> None:
         """Account for finished captures (or wait for one); their blocks can then be freed."""
@@ -278,8 +280,8 @@ class SemShareWorker:
             self.stats.add("captured_tokens", len(spec.token_ids))
             self.stats.add("capture_ms", ms)
             if rows is not None:
-                self._tier_puts.append((key, self._tier_thread.submit(
-                    self._tier_put, key, spec.token_ids, rows)))
+                self._tier_puts.append(self._tier_thread.submit(
+                    self._tier_put, key, spec.token_ids, rows))
 
     def _settle(self, key: DonorKey) -> None:
         if key in self._capturing:
@@ -422,21 +424,19 @@ class SemShareWorker:
 
     def build_worker_meta(self) -> SemShareWorkerMetadata | None:
         self._reap_tier_puts()
-        if not self._bad_donors and self._capacity_report is None and not self._deviations \
-                and not self._tiered and not self._untiered:
+        if not self._bad_donors and self._capacity_report is None and not self._deviations:
             return None
         meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report,
-                                      self._ready_report, self._deviations, self._tiered,
-                                      self._untiered)
+                                      self._ready_report, self._deviations)
         self._bad_donors, self._capacity_report, self._ready_report = [], None, None
-        self._deviations, self._tiered, self._untiered = [], [], []
+        self._deviations = []
         return meta
 
     def flush_captures(self) -> None:
         """Wait for every capture in flight, and its tier put (tests, shutdown)."""
         for key in list(self._capturing):
             self._settle(key)
-        for _, future in list(self._tier_puts):
+        for future in list(self._tier_puts):
             future.result()
 
     def shutdown(self) -> None:
@@ -450,5 +450,7 @@ class SemShareWorker:
         self._tier_thread.shutdown(wait=True)
         if self.tier is not None:
             self.tier.close()
+        if self._ready_marks is not None:
+            self._ready_marks.close()
         if self.store is not None:
             self.store.close()

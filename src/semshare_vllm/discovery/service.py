@@ -159,8 +159,10 @@ class DiscoveryService:
         thread.put(run_job)
         return future
 
-    def register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:
-        self._background.put(lambda: self._register(key, serial, token_ids))
+    def register(self, key: Hashable, serial: int, token_ids: list[int],
+                 then: Callable[[Embedded], None] | None = None) -> None:
+        """Embed a donor; ``then(embedded)``, if given, runs on the background thread after."""
+        self._background.put(lambda: self._register(key, serial, token_ids, then))
 
     def write_snapshot(self, write: Callable[[], None]) -> Future:
         future: Future = Future()
@@ -257,12 +259,16 @@ class DiscoveryService:
             if not future.done():
                 future.set_exception(exc)
 
-    def _register(self, key: Hashable, serial: int, token_ids: list[int]) -> None:
+    def _register(self, key: Hashable, serial: int, token_ids: list[int],
+                  then: Callable[[Embedded], None] | None) -> None:
         if not self._registering or self._ready_embedder() is None:
             return
         try:
             embedding, embed_ms = self._embed(token_ids)
-            self._embedded.append(Embedded(key, serial, embedding, simhash(token_ids), embed_ms))
+            embedded = Embedded(key, serial, embedding, simhash(token_ids), embed_ms)
+            self._embedded.append(embedded)
+            if then is not None:
+                then(embedded)
         except Exception as exc:
             self._fault("register", exc)
 

@@ -126,6 +126,17 @@ class VllmServer:
     def metrics(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
 
+    def wait_for_stat(self, name: str, at_least: float, timeout_s: float = 120) -> None:
+        """Until the connector's counter ``name`` reaches ``at_least``, keeping the engine
+        stepping with tiny opted-out requests; AssertionError past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.connector_stats().get(name, 0) >= at_least:
+                return
+            self.complete("ping " * 3, max_tokens=1, kv_transfer_params={"semshare": "off"})
+            time.sleep(0.5)
+        raise AssertionError(f"{name} never reached {at_least}: {self.connector_stats()}")
+
 
 def connector_stats(log_text: str) -> dict[str, float]:
     """The connector's counters, summed over every "KV Transfer metrics" line of a server log
