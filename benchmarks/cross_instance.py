@@ -40,14 +40,22 @@ def shared_config(redis_url: str) -> dict:
         "host_store_bytes": "1GiB", "lmcache_local_cpu_bytes": "512MiB"})
 
 
-def wait_shared_in(b: Endpoint, before: float, timeout_s: float = 120) -> float | None:
-    """Seconds until B's index holds one more shared donor (None: not within the timeout)."""
+def wait_shared_in(a: Endpoint, b: Endpoint, published_before: float,
+                   timeout_s: float = 120) -> float | None:
+    """Seconds until A has announced one more donor and B's index holds every donor A
+    announced (None: not within the timeout). Both engines are kept stepping, as
+    ``semshare-bench`` does for captures: vLLM does not step an idle engine for a finished
+    request's capture, so A's would otherwise wait for A's next request (and B takes records
+    in at a step)."""
     t0 = time.monotonic()
     while time.monotonic() < t0 + timeout_s:
-        if b.counters().get("donors_shared_in", 0) > before:
+        published = a.counters().get("donors_published", 0)
+        if published > published_before and \
+                b.counters().get("donors_shared_in", 0) >= published:
             return time.monotonic() - t0
-        b.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)   # let B's engine step
-        time.sleep(0.05)
+        for e in (a, b):
+            e.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)
+        time.sleep(0.1)
     return None
 
 
@@ -76,8 +84,9 @@ def main() -> None:
                        max_model_len=max_len) as server_b:
         a = Endpoint(server_a.url, server_a.served_name)
         b = Endpoint(server_b.url, server_b.served_name)
-        warm_up(a)
         warm_up(b)
+        warm_up(a)
+        wait_shared_in(a, b, 0)          # A's warm-up donors reach B before any measurement
         summaries, propagation, fetch = {}, {}, {}
         for tokens in args.context_tokens:
             requests = workloads.build("cross-instruction", args.groups, tokens, sizer)
@@ -86,9 +95,9 @@ def main() -> None:
             for group in dict.fromkeys(r.group for r in requests):
                 donor = next(r for r in requests if r.group == group and r.role == "donor")
                 target = next(r for r in requests if r.group == group and r.role == "target")
-                before = b.counters().get("donors_shared_in", 0)
+                before = a.counters().get("donors_published", 0)
                 a.complete(donor.prompt, max_tokens=2)
-                waits.append(wait_shared_in(b, before))
+                waits.append(wait_shared_in(a, b, before))
                 salt = f"cross-instance-cold-{uuid.uuid4().hex}"
                 if len(results) % 2:
                     cold = b.complete(target.prompt, args.max_tokens, cache_salt=salt,
