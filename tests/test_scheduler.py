@@ -327,3 +327,19 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     load = s.build_connector_meta(None).loads[0]
     assert load.key == DonorKey("t", good.donor_id) and load.donor_token_ids == tokens
     assert feed.published == []                 # never announced again by this instance
+
+
+def test_a_malformed_shared_record_costs_that_record_only():
+    import numpy as np
+
+    from semshare_vllm.discovery.embedder import DocumentEmbedding
+    from semshare_vllm.shared_index import SharedDonor
+
+    tokens = list(range(300, 400))
+    bad = SharedDonor("", donor_id_for("", tokens), tokens, 100, embedder_id="embedder-x",
+                      embedding=DocumentEmbedding(np.ones(7, np.float32),
+                                                  np.ones((1, 7), np.float32), 5),
+                      fingerprint=1)
+    s = SemShareScheduler(shared_config(), geometry(), FakeDiscovery(), feed=FakeFeed([bad]))
+    s.build_connector_meta(None)                 # no exception reaches vLLM
+    assert s.stats.totals["shared_records_dropped"] == 1

@@ -294,30 +294,38 @@ class SemShareScheduler:
             if counts.get(name):
                 self.stats.add(counter, counts[name])
         for shared in self.feed.take_arrived():
-            key = DonorKey(shared.namespace, shared.donor_id)
-            tokens = shared.token_ids
-            if not tokens or donor_id_for(shared.namespace, tokens) != shared.donor_id:
-                self.stats.add("shared_records_dropped")   # not what its id says it is
-                continue
-            if key in self.index or self.index.covers(shared.namespace, tokens):
-                continue
-            n = len(tokens)
-            record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
-                                 block_hashes(tokens, self.geometry.block_size),
-                                 num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n))
-            evicted = self.index.add(record)
-            if key in evicted:
-                continue
-            self._evict(evicted)
-            self.stats.add("donors_shared_in")
-            same_embedder = self.discovery is not None and shared.embedding is not None and \
-                shared.embedder_id == self.discovery.embedder_id
-            if not same_embedder:
-                self._embed_later(record)   # embedded here, as a donor captured here would be
-            elif self.index.set_embedding(key, record.serial, shared.embedding,
-                                          shared.fingerprint):
-                self.stats.add("donors_embedded")
-                self._prepare_alignment(record)
+            try:
+                self._add_shared(shared)
+            except Exception as exc:   # a malformed record costs that record, nothing more
+                self.stats.add("shared_records_dropped")
+                warn_once(logger, "shared_record", "SemShare: a shared donor record was not "
+                          "usable: %s", exc)
+
+    def _add_shared(self, shared: SharedDonor) -> None:
+        key = DonorKey(shared.namespace, shared.donor_id)
+        tokens = shared.token_ids
+        if not tokens or donor_id_for(shared.namespace, tokens) != shared.donor_id:
+            self.stats.add("shared_records_dropped")   # not what its id says it is
+            return
+        if key in self.index or self.index.covers(shared.namespace, tokens):
+            return
+        n = len(tokens)
+        record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
+                             block_hashes(tokens, self.geometry.block_size),
+                             num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n))
+        evicted = self.index.add(record)
+        if key in evicted:
+            return
+        self._evict(evicted)
+        self.stats.add("donors_shared_in")
+        same_embedder = self.discovery is not None and shared.embedding is not None and \
+            shared.embedder_id == self.discovery.embedder_id
+        if not same_embedder:
+            self._embed_later(record)   # embedded here, as a donor captured here would be
+        elif self.index.set_embedding(key, record.serial, shared.embedding,
+                                      shared.fingerprint):
+            self.stats.add("donors_embedded")
+            self._prepare_alignment(record)
 
     def report_deviation(self, key: DonorKey, deviation: float) -> None:
         """The recompute stage's measured deviation (0-1) of one reuse of donor ``key``."""

@@ -240,12 +240,12 @@ class SemShareWorker:
         t0 = time.perf_counter()
         try:
             kept = self.tier.put(key, token_ids, rows)
+            if kept and self._ready_marks is not None:
+                kept = self._ready_marks.mark(key.donor_id)   # other instances may now load it
         except Exception as exc:
             warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
                       key.donor_id, exc)
             kept = False
-        if kept and self._ready_marks is not None:
-            kept = self._ready_marks.mark(key.donor_id)   # other instances may now load it
         return (time.perf_counter() - t0) * 1e3 if kept else None
 
     def _reap_tier_puts(self) -> None:
