@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding
+from semshare_vllm.logs import warn_once
 
 logger = logging.getLogger("vllm.semshare.shared_index")
 
@@ -209,6 +210,11 @@ class SharedDonorFeed:
                 self._stop.wait(pause)
                 pause = min(pause * 2, RETRY_S[1])
                 continue
+            except Exception as exc:   # a defect here must not end sharing for good
+                warn_once(logger, "shared_index", "SemShare: shared donor index: %s", exc,
+                          exc_info=exc)
+                self._stop.wait(pause)
+                continue
             if self._down:
                 self._down = False
                 logger.info("SemShare: the shared donor index at %s is back", self.url)
@@ -216,16 +222,14 @@ class SharedDonorFeed:
 
     def _publish_pending(self) -> None:
         while self._outbox:
-            record = self._outbox[0]
+            record = self._outbox.popleft()
             try:
                 self._redis.xadd(self.stream, record.encode(self.instance), maxlen=MAX_RECORDS,
                                  approximate=True)
-            except self._errors:
+            except Exception:
                 # Not retried: the donor's KV went into the same server, which may have lost it.
-                self._outbox.popleft()
                 self._count("publish_failures")
                 raise
-            self._outbox.popleft()
             self._count("published")
 
     def _read(self) -> None:
