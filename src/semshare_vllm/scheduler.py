@@ -263,10 +263,12 @@ class SemShareScheduler:
             self.stats.add("discovery_faults", faults)
 
     # ---- the shared index ----------------------------------------------------------------------
-    def _announce(self, record: DonorRecord) -> None:
-        """Publish a donor captured here; with discovery on, once it is embedded (on the
-        discovery thread: nothing waits for vLLM to step). Readers wait for its KV themselves."""
+    def _embed_and_announce(self, record: DonorRecord) -> None:
+        """Embed a donor captured here and, with a shared index, publish it: once embedded, from
+        the discovery thread (nothing waits for vLLM to step); at once without discovery.
+        Readers wait for its KV themselves."""
         if self.feed is None:
+            self._embed_later(record)
             return
         feed, key = self.feed, record.key
         shared = SharedDonor(key.namespace, key.donor_id, list(record.token_ids),
@@ -615,10 +617,7 @@ class SemShareScheduler:
         if key in evicted:  # larger than the whole store
             return False, None
         self._evict(evicted)
-        if self.feed is not None:
-            self._announce(record)          # embeds it too
-        else:
-            self._embed_later(record)
+        self._embed_and_announce(record)
         self._captures.append(CaptureSpec(request.request_id, key, token_ids, blocks))
         self._capturing.add(request.request_id)
         self.stats.add("donors_registered")
