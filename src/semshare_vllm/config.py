@@ -64,10 +64,10 @@ class SemShareConfig:
         "\"redis://host:6379\" (Redis or Valkey), shared by every instance. Unset: local only.")
     shared_index_url: str | None = _knob(
         None, "A Redis / Valkey URL where the donor index is shared across instances: each "
-        "donor's record (namespace, token ids, embedding) is published to a stream once its KV "
-        "is readable from lmcache_remote_url, and every instance adds the others' donors to its "
-        "own index (catching up at start). Needs kv_tier \"lmcache\" with a remote URL. "
-        "Unset: this instance's donors only.")
+        "donor's record (namespace, token ids, embedding) is published to a stream, and every "
+        "instance adds the others' donors to its own index once their KV is readable from "
+        "lmcache_remote_url (catching up at start). Needs kv_tier \"lmcache\" with a remote "
+        "URL. Unset: this instance's donors only.")
 
     # ---- donor discovery ----------------------------------------------------------------------
     embedder: str = _knob(
