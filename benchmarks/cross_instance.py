@@ -17,18 +17,11 @@ import os
 import statistics
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from semshare_vllm.bench import report, workloads
 from semshare_vllm.bench.client import Endpoint
-from semshare_vllm.bench.measure import (
-    OPT_OUT,
-    Measured,
-    score_reference,
-    served_completion,
-    warm_up,
-)
+from semshare_vllm.bench.measure import OPT_OUT, measure_target, warm_up
 from semshare_vllm.testbed import models
 from semshare_vllm.testbed.redis_server import RedisServer
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
@@ -98,23 +91,13 @@ def main() -> None:
                 before = a.counters().get("donors_published", 0)
                 a.complete(donor.prompt, max_tokens=2)
                 waits.append(wait_shared_in(a, b, before))
-                salt = f"cross-instance-cold-{uuid.uuid4().hex}"
-                if len(results) % 2:
-                    cold = b.complete(target.prompt, args.max_tokens, cache_salt=salt,
-                                      kv_transfer_params=OPT_OUT)
-                    served, claimed = served_completion(b, target.prompt, args.max_tokens)
-                else:
-                    served, claimed = served_completion(b, target.prompt, args.max_tokens)
-                    cold = b.complete(target.prompt, args.max_tokens, cache_salt=salt,
-                                      kv_transfer_params=OPT_OUT)
-                m = Measured(target, cold, served, claimed)
-                if args.perplexity and target.reference:
-                    score_reference(b, m, salt)
+                m = measure_target(b, target, args.max_tokens, cold_first=len(results) % 2 == 1,
+                                   perplexity=args.perplexity)
                 results.append(m)
                 print(f"  {tokens} tokens, {group}: shared after "
                       f"{waits[-1] if waits[-1] is not None else float('nan'):.2f} s, "
-                      f"claimed {claimed}/{m.prompt_tokens}, TTFT cold "
-                      f"{cold.ttft_s * 1e3:.0f} ms, served {served.ttft_s * 1e3:.0f} ms",
+                      f"claimed {m.connector_tokens}/{m.prompt_tokens}, TTFT cold "
+                      f"{m.cold.ttft_s * 1e3:.0f} ms, served {m.served.ttft_s * 1e3:.0f} ms",
                       flush=True)
             after = b.counters()
             summaries[tokens] = report.summarize(results)

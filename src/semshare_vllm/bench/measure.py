@@ -83,8 +83,7 @@ def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.
         time.sleep(0.05)
 
 
-def served_completion(endpoint: Endpoint, prompt: str,
-                      max_tokens: int) -> tuple[Completion, int]:
+def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completion, int]:
     """A completion through the connector, and the prompt tokens it claimed for it."""
     before = endpoint.counters()
     result = endpoint.complete(prompt, max_tokens)
@@ -104,7 +103,7 @@ def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
     endpoint.complete("Read the following and list its places.\n\n" + doc, max_tokens=2)
 
 
-def score_reference(endpoint: Endpoint, m: Measured, salt: str) -> None:
+def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
     """The reference's NLL after the prompt, cold (opted out, its own salt) and through the
     connector (reuse limited to the prompt)."""
     r = m.request
@@ -112,6 +111,28 @@ def score_reference(endpoint: Endpoint, m: Measured, salt: str) -> None:
     before = endpoint.counters()
     m.served_nll = endpoint.reference_nll(r.prompt, r.reference, reuse=True)
     m.scored_tokens = _claimed(endpoint, before)
+
+
+def measure_target(endpoint: Endpoint, r: BenchRequest, max_tokens: int, cold_first: bool,
+                   perplexity: bool = True) -> Measured:
+    """One target cold (opted out, its own salt) and served, in the order given (callers
+    alternate it); with ``perplexity``, its reference then scored both ways."""
+    salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
+
+    def cold():
+        return endpoint.complete(r.prompt, max_tokens, cache_salt=salt,
+                                 kv_transfer_params=OPT_OUT)
+
+    if cold_first:
+        c = cold()
+        s, claimed = _served(endpoint, r.prompt, max_tokens)
+    else:
+        s, claimed = _served(endpoint, r.prompt, max_tokens)
+        c = cold()
+    m = Measured(r, c, s, claimed)
+    if perplexity and r.reference:
+        _score(endpoint, m, salt)
+    return m
 
 
 def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
@@ -132,27 +153,13 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
             if donors:
                 before, to_capture = endpoint.counters(), 0
                 for d in donors:
-                    sent, claimed = served_completion(endpoint, d.prompt, max_tokens=2)
+                    sent, claimed = _served(endpoint, d.prompt, max_tokens=2)
                     # a donor served from another donor is not kept itself: nothing to wait for
                     to_capture += claimed < 0.5 * (sent.prompt_tokens or 1)
                 wait_for_donors(endpoint, before, to_capture, donor_wait_s)
             for r in (r for r in members if r.role == "target"):
-                salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
-
-                def cold():
-                    return endpoint.complete(r.prompt, max_tokens, cache_salt=salt,
-                                             kv_transfer_params=OPT_OUT)
-
-                if len(out) % 2:
-                    c = cold()
-                    s, claimed = served_completion(endpoint, r.prompt, max_tokens)
-                else:
-                    s, claimed = served_completion(endpoint, r.prompt, max_tokens)
-                    c = cold()
-                m = Measured(r, c, s, claimed)
-                if perplexity and r.reference:
-                    score_reference(endpoint, m, salt)
-                out.append(m)
+                out.append(measure_target(endpoint, r, max_tokens, cold_first=len(out) % 2 == 1,
+                                          perplexity=perplexity))
                 if on_result is not None:
                     on_result(out[-1], len(out), total)
     except KeyboardInterrupt:
