@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -27,10 +28,15 @@ from semshare_vllm.testbed.redis_server import RedisServer
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 
 
+# Both instances sign their records and readiness marks with this (shared_index_secret).
+SECRET = secrets.token_hex(32)
+
+
 def shared_config(redis_url: str) -> dict:
     return dict(SEMSHARE, kv_connector_extra_config={
         "kv_tier": "lmcache", "lmcache_remote_url": redis_url, "shared_index_url": redis_url,
-        "host_store_bytes": "1GiB", "lmcache_local_cpu_bytes": "512MiB"})
+        "shared_index_secret": SECRET, "host_store_bytes": "1GiB",
+        "lmcache_local_cpu_bytes": "512MiB"})
 
 
 def wait_shared_in(a: Endpoint, b: Endpoint, published_before: float,

@@ -41,11 +41,26 @@ def test_environment_overrides_extra_config():
     ({"kv_tier": "lmcache", "lmcache_remote_url": "localhost:6379"}, {}, "lmcache_remote_url"),
     ({"shared_index_url": "redis://h:6379"}, {}, "shared_index_url"),   # no shared KV tier
     ({"kv_tier": "lmcache", "lmcache_remote_url": "redis://h:6379",
-      "shared_index_url": "http://h:6379"}, {}, "shared_index_url"),   # not Redis
+      "shared_index_url": "http://h:6379", "shared_index_secret": "s"}, {},
+     "shared_index_url"),                                               # not Redis
+    ({"kv_tier": "lmcache", "lmcache_remote_url": "redis://h:6379",
+      "shared_index_url": "redis://h:6379"}, {}, "shared_index_secret"),   # records unsigned
+    ({"kv_tier": "lmcache", "lmcache_remote_url": "redis://h:6379",
+      "shared_index_url": "redis://h:6379"}, {"SEMSHARE_SHARED_INDEX_SECRET": ""},
+     "shared_index_secret"),                                            # empty is none
 ])
 def test_bad_config_names_the_key(extra, environ, named):
     with pytest.raises(SemShareConfigError, match=re.escape(named)):
         SemShareConfig.from_extra_config(extra, environ=environ)
+
+
+def test_the_shared_index_secret_comes_from_the_environment_and_is_never_shown():
+    shared = {"kv_tier": "lmcache", "lmcache_remote_url": "redis://h:6379",
+              "shared_index_url": "redis://h:6379"}
+    cfg = SemShareConfig.from_extra_config(
+        shared, environ={"SEMSHARE_SHARED_INDEX_SECRET": "s3cret-value"})
+    assert cfg.shared_index_secret == "s3cret-value"
+    assert "s3cret-value" not in repr(cfg) and "s3cret-value" not in str(cfg.describe())
 
 
 def test_readme_documents_every_key():

@@ -144,3 +144,104 @@ def test_serve_reaches_the_model_and_recomputes(model, cold, tmp_path, monkeypat
     assert stats["recomputed_tokens"] == hit.cached_tokens
     assert "recompute_failures" not in stats and "recompute_unavailable_tokens" not in stats
     assert "selective recompute is off" not in log
+
+
+def _embeds_b64(seed: int, rows: int, hidden: int) -> str:
+    import base64
+    import io
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    buf = io.BytesIO()
+    torch.save(torch.randn(rows, hidden, generator=g) * 0.02, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_prompt_embeddings_are_never_served_another_inputs_kv(model, tmp_path, monkeypatch):
+    """``--enable-prompt-embeds``: such requests carry placeholder token ids, so two different
+    embedding inputs of one length look like one prompt. They are neither served nor captured:
+    each answer is the one computed with the connector opted out."""
+    import json
+
+    import requests
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    hidden = json.loads((models.tiny_llama() / "config.json").read_text())["hidden_size"]
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "256MiB"})
+    with VllmServer(model, cfg, ARGS + ["--enable-prompt-embeds"],
+                    tmp_path / "embeds.log") as srv:
+        def complete(seed, kv=None):
+            body = {"model": srv.served_name, "prompt_embeds": _embeds_b64(seed, 320, hidden),
+                    "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+            if kv is not None:
+                body["kv_transfer_params"] = kv
+            resp = requests.post(srv.url + "/v1/completions", json=body, timeout=300)
+            resp.raise_for_status()
+            out = resp.json()
+            details = out["usage"].get("prompt_tokens_details") or {}
+            return out["choices"][0]["text"], details.get("cached_tokens") or 0
+
+        for first, second in ((1, 2), (3, 4)):
+            complete(first)
+            srv.complete("ping " * 3, max_tokens=1)      # a step: a captured donor is ready
+            text, cached = complete(second)
+            cold, _ = complete(second, kv={"semshare": "off"})
+            assert cached == 0 and text == cold
+        srv.wait_for_stat("unkeyable_requests", 4)
+        stats = srv.connector_stats()
+    assert "hits" not in stats and "donors_registered" not in stats
+
+
+def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_path,
+                                                                     monkeypatch):
+    """`vllm serve` with persist_dir is killed (SIGKILL, the whole process group) as soon as the
+    first donor file lands, while other donors are being captured and written; beside what that
+    leaves, a partial file of the killed writer is planted (its pid, half a donor's bytes), so the
+    check does not depend on the kill landing mid-write. Restarted on the same directory, every
+    donor it restores serves cold's answer, the partial file is removed and counted, and no
+    request fails."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    persist = tmp_path / "donors"
+    docs = [wiki_document(6000 + 60 * i, 1500) for i in range(8)]
+    srv = semshare_server(model, persist, tmp_path / "drill-killed.log").start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for doc in docs:
+                pool.submit(srv.complete, doc + Q1)
+            deadline = time.monotonic() + 300
+            while not list(persist.glob("*/*.tp0of1.safetensors")):
+                assert time.monotonic() < deadline, "no donor was persisted"
+                time.sleep(0.005)
+            killed = srv.proc.pid
+            os.killpg(os.getpgid(killed), signal.SIGKILL)
+            srv.proc.wait(timeout=30)
+    finally:
+        srv.stop()
+    landed = [f for f in persist.glob("*/*.tp0of1.safetensors")]
+    root = landed[0].parent
+    host = socket.gethostname().replace("-", "_")
+    planted = root / f".tmp-{killed}@{host}-drill.safetensors"
+    planted.write_bytes(landed[0].read_bytes()[: landed[0].stat().st_size // 2])
+    shutil.copy(planted, tmp_path / "planted-copy")
+
+    with semshare_server(model, persist, tmp_path / "drill-restarted.log") as srv:
+        for doc in docs:
+            served = srv.complete(doc + Q2)
+            cold = srv.complete(doc + Q2, kv_transfer_params={"semshare": "off"})
+            assert served.text == cold.text, doc[:60]
+        srv.wait_for_stat("persisted_incomplete", 1)
+        stats = srv.connector_stats()
+        log = srv.log_text()
+    assert stats["donors_restored"] >= 1 and stats["hits"] >= 1
+    assert stats["donors_restored"] + stats.get("persisted_skipped", 0) >= len(landed)
+    assert not planted.exists()
+    assert not [p for p in root.glob(f".tmp-{killed}@*")]
+    assert "fallbacks" not in stats and "Traceback" not in log

@@ -1,7 +1,9 @@
 """Two real `vllm serve` instances (loopback, different ports) sharing one real `redis-server`
 as LMCache's remote backend and as the shared donor index: a donor served by instance A is
-found and reused by instance B, in its own namespace only; Redis going away mid-run fails no
-request (local fallback, counted), and sharing resumes when it is back."""
+found and reused by instance B, in its own namespace only; a record written straight into the
+stream by a client without the instances' secret is dropped (counted) and serves nothing; Redis
+going away mid-run fails no request (local fallback, counted), and sharing resumes when it is
+back."""
 
 import pytest
 
@@ -15,8 +17,9 @@ pytestmark = pytest.mark.engine
 Q1 = "\n\nQuestion: What is the text above about? Answer:"
 Q2 = "\n\nSummarize the passage above in one sentence:"
 DOCS = {name: wiki_document(start, 900) for name, start in
-        [("shared", 300), ("unseen", 700), ("outage", 1100), ("after", 1500)]}
+        [("shared", 300), ("unseen", 700), ("outage", 1100), ("after", 1500), ("forged", 1900)]}
 ARGS = ["--block-size", "32", "--max-num-seqs", "4"]
+SECRET = "engine-test-secret"
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +38,33 @@ def cold(model, tmp_path_factory):
 def shared_server(model, redis_url, log):
     extra = {"host_store_bytes": "512MiB", "kv_tier": "lmcache",
              "lmcache_local_cpu_bytes": "256MiB", "lmcache_remote_url": redis_url,
-             "shared_index_url": redis_url, "lookup_deadline_ms": 5000}
+             "shared_index_url": redis_url, "shared_index_secret": SECRET,
+             "lookup_deadline_ms": 5000}
     return VllmServer(model, dict(SEMSHARE, kv_connector_extra_config=extra), ARGS, log)
 
 
+def forge_record(model, redis_url, prompt):
+    """What a client of the Redis server without the secret can do: add a donor record for
+    ``prompt`` (no namespace, well-formed, its id right) to the instances' stream, with a bogus
+    signature, and mark its KV ready (validly, so that only the record's signature is wrong)."""
+    import redis as redis_py
+    from transformers import AutoTokenizer
+
+    from semshare_vllm.donor_index import donor_id_for
+    from semshare_vllm.shared_index import KVReadyMarks, SharedDonor
+
+    tokens = AutoTokenizer.from_pretrained(model)(prompt)["input_ids"]
+    record = SharedDonor("", donor_id_for("", tokens), tokens, len(tokens))
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        stream, = client.scan_iter(match="semshare:donors:*", _type="stream")
+        fingerprint = stream.decode().rsplit(":", 1)[1]
+        marks = KVReadyMarks(redis_url, fingerprint, 0, SECRET)
+        marks.mark(record.donor_id, "0" * 64)
+        marks.close()
+        client.xadd(stream, {**record.encode("attacker"), b"sig": b"f" * 64})
+    finally:
+        client.close()
 
 
 def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeypatch):
@@ -56,6 +82,13 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
             assert hit.text == cold["shared"]
             b.wait_for_stat("tier_fetches", 1)          # fetched from LMCache + Redis
+
+            # A forged record is dropped, counted, and never serves a request.
+            forge_record(model, redis.url, DOCS["forged"] + Q1)
+            b.wait_for_stat("shared_records_forged", 1)
+            assert b.connector_stats()["donors_shared_in"] == 1
+            forged = b.complete(DOCS["forged"] + Q2)
+            assert forged.cached_tokens == 0 and forged.text == cold["forged"]
 
             # Namespaces stay hard boundaries across instances.
             other = b.complete(DOCS["shared"] + Q2, cache_salt="another-tenant")
@@ -92,4 +125,5 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
         redis.stop()
     assert "fallbacks" not in stats_a and "fallbacks" not in stats_b
     assert stats_b["tier_fetches"] == 2 and "tier_fetches" not in stats_a
+    assert "tier_digest_mismatches" not in stats_b     # the real donors' KV matched its digests
     assert logs.count("is back") == 2 and "Traceback" not in logs

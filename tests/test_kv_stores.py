@@ -84,6 +84,45 @@ def test_namespaces_never_share_a_donor(store):
     assert not store.contains(DonorKey("tenant-c", "x"), toks) or store.name == "host"
 
 
+def test_namespace_tags_are_one_to_one(store):
+    """No namespace ("") and the namespace "-" (or any two) never share LMCache keys: each reads
+    its own rows, and evicting one leaves the other whole."""
+    toks = tokens(48, 12)
+    empty, dash = DonorKey("", "e"), DonorKey("-", "d")
+    store.put(empty, toks, rows(48, 13))
+    store.put(dash, toks, rows(48, 14))
+    assert torch.equal(store.get(empty, toks), rows(48, 13))
+    assert torch.equal(store.get(dash, toks), rows(48, 14))
+    store.evict(dash, toks)
+    assert store.get(dash, toks) is None and not store.contains(dash, toks)
+    assert store.contains(empty, toks) and torch.equal(store.get(empty, toks), rows(48, 13))
+    odd = DonorKey("a b|c:d\n\u00e9", "o")              # safe inside LMCache's key strings
+    store.put(odd, toks, rows(48, 15))
+    assert torch.equal(store.get(odd, toks), rows(48, 15))
+
+
+def test_a_fetched_donor_has_the_digest_its_writer_signed(redis):
+    """What a worker checks a shared donor's KV against (``shared_index.kv_digest``): the digest
+    of the rows it put, in the store's dtype, equals that of the rows another instance fetches."""
+    from semshare_vllm.lmcache_store import LMCacheKVStore
+    from semshare_vllm.shared_index import kv_digest
+
+    def half_store():
+        return LMCacheKVStore(L, H, D, torch.float16, "digest-model", 32 * 2**20,
+                              remote_url=redis.url, chunk_size=CHUNK)
+
+    first, second = half_store(), half_store()
+    try:
+        key, toks, kv = DonorKey("t", "digest"), tokens(70, 16), rows(70, 16)   # float32 rows
+        assert first.put(key, toks, kv)
+        fetched = second.get(key, toks)
+        assert kv_digest(fetched, second.dtype) == kv_digest(kv, first.dtype)
+        assert kv_digest(fetched, second.dtype) != kv_digest(kv)
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_second_instance_reads_the_donor_from_redis(redis):
     first, second = lmcache_store(redis.url), lmcache_store(redis.url)
     try:

@@ -231,7 +231,7 @@ class FakeFeed:
         return out
 
     def take_counts(self):
-        return {"outages": 1} if self.arrivals else {}
+        return {"outages": 1, "forged": 2} if self.arrivals else {}
 
     def close(self):
         self.closed = True
@@ -239,7 +239,7 @@ class FakeFeed:
 
 def shared_config():
     return SemShareConfig(kv_tier="lmcache", lmcache_remote_url="redis://h:1",
-                          shared_index_url="redis://h:1")
+                          shared_index_url="redis://h:1", shared_index_secret="s")
 
 
 class FakeDiscovery:
@@ -311,14 +311,19 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     from semshare_vllm.shared_index import SharedDonor
 
     tokens = list(range(500, 700))
-    good = SharedDonor("t", donor_id_for("t", tokens), tokens, 200)
-    forged = SharedDonor("t", donor_id_for("other", tokens), tokens, 200)   # id of another ns
-    feed = FakeFeed([good, forged])
+    digests = ["ab" * 32]                       # its rank's KV digest, from its signed mark
+    good = SharedDonor("t", donor_id_for("t", tokens), tokens, 200, kv_digests=digests)
+    forged = SharedDonor("t", donor_id_for("other", tokens), tokens, 200,   # id of another ns
+                         kv_digests=digests)
+    other = list(range(800, 900))
+    undigested = SharedDonor("t", donor_id_for("t", other), other, 100)   # no KV digests
+    feed = FakeFeed([good, forged, undigested])
     s = SemShareScheduler(shared_config(), geometry(), feed=feed)
     s.build_connector_meta(None)
     assert s.stats.totals["donors_shared_in"] == 1
-    assert s.stats.totals["shared_records_dropped"] == 1
+    assert s.stats.totals["shared_records_dropped"] == 2
     assert s.stats.totals["shared_index_outages"] == 1
+    assert s.stats.totals["shared_records_forged"] == 2
     assert s.get_num_new_matched_tokens(request("x", tokens[:150] + [1], salt="u"), 0) == \
         (0, False)                                # another namespace sees nothing
     target = request("y", tokens[:150] + [1], salt="t")
@@ -326,6 +331,7 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     s.update_state_after_alloc(target, Blocks(list(range(5))), 128)
     load = s.build_connector_meta(None).loads[0]
     assert load.key == DonorKey("t", good.donor_id) and load.donor_token_ids == tokens
+    assert load.donor_kv_digests == digests     # the worker checks what it fetches
     assert feed.published == []                 # never announced again by this instance
 
 
@@ -339,7 +345,39 @@ def test_a_malformed_shared_record_costs_that_record_only():
     bad = SharedDonor("", donor_id_for("", tokens), tokens, 100, embedder_id="embedder-x",
                       embedding=DocumentEmbedding(np.ones(7, np.float32),
                                                   np.ones((1, 7), np.float32), 5),
-                      fingerprint=1)
+                      fingerprint=1, kv_digests=["ab" * 32])
     s = SemShareScheduler(shared_config(), geometry(), FakeDiscovery(), feed=FakeFeed([bad]))
     s.build_connector_meta(None)                 # no exception reaches vLLM
     assert s.stats.totals["shared_records_dropped"] == 1
+
+
+def test_a_disabled_worker_stops_claims_and_captures():
+    """The worker turned itself off (a layout it cannot address): the scheduler stops claiming
+    (each load would fail and be recomputed) and capturing, from the report on."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    donor = list(range(200))
+    finish(s, donor)
+    s.build_connector_meta(None)
+    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
+                                              kv_connector_worker_meta=None))
+    assert s.get_num_new_matched_tokens(request("t", donor[:150] + [1]), 0) == (128, False)
+    s.update_connector_output(SimpleNamespace(
+        finished_sending=None,
+        kv_connector_worker_meta=SemShareWorkerMetadata(disabled="kernel blocks of 16")))
+    assert s.get_num_new_matched_tokens(request("u", donor[:150] + [1]), 0) == (0, False)
+    assert finish(s, list(range(1000, 1100))) == (False, None)
+    assert s.build_connector_meta(None).captures == []
+
+
+def test_exact_only_kv_plans_no_recompute_for_exact_loads():
+    """Quantised KV ("exact-prefix only"): recompute_policy "all" would repair exact loads
+    through a runner that ignores the KV scales; the loads stay plain page copies."""
+    s = SemShareScheduler(SemShareConfig(recompute_policy="all"),
+                          geometry(exact_only="fp8_e4m3 KV"))
+    donor = list(range(200))
+    finish(s, donor)
+    target = request("t", donor[:150] + [1])
+    assert s.get_num_new_matched_tokens(target, 0) == (128, False)
+    s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 128)
+    load = s.build_connector_meta(None).loads[0]
+    assert load.policy == "none" and load.token_ids == []

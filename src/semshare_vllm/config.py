@@ -26,9 +26,11 @@ class SemShareConfigError(ValueError):
 
 
 def _knob(default: Any, doc: str, *, minimum: float | None = None, maximum: float | None = None,
-          size: bool = False, choices: tuple[str, ...] | None = None):
-    return field(default=default, metadata={"doc": doc, "min": minimum, "max": maximum,
-                                            "size": size, "choices": choices})
+          size: bool = False, choices: tuple[str, ...] | None = None, secret: bool = False):
+    # secret: never shown (repr, describe(), which the connector logs)
+    return field(default=default, repr=not secret,
+                 metadata={"doc": doc, "min": minimum, "max": maximum, "size": size,
+                           "choices": choices, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,8 @@ class SemShareConfig:
     persist_dir: str | None = _knob(
         None,
         "Directory where donors are also written (atomically) and found again after a restart. "
-        "Unset: memory only. Corrupt or truncated files are skipped with a warning.")
+        "Unset: memory only. Corrupt or truncated files are skipped with a warning; partial "
+        "files a killed writer left are removed at start-up.")
     capture: bool = _knob(
         True, "Capture the KV of finished requests as donors.")
     min_donor_tokens: int = _knob(
@@ -68,6 +71,13 @@ class SemShareConfig:
         "instance adds the others' donors to its own index once their KV is readable from "
         "lmcache_remote_url (catching up at start). Needs kv_tier \"lmcache\" with a remote "
         "URL. Unset: this instance's donors only.")
+    shared_index_secret: str | None = _knob(
+        None, "With shared_index_url (required there): the key every instance signs its donor "
+        "records and KV readiness marks with (HMAC-SHA256); records or marks not signed with it "
+        "are dropped (counted as shared_records_forged), and a shared donor's KV is checked "
+        "against the digest its instance signed before it is used. Give every instance the "
+        "same long random value, preferably as SEMSHARE_SHARED_INDEX_SECRET (vLLM logs its "
+        "arguments; this key is never logged here).", secret=True)
 
     # ---- donor discovery ----------------------------------------------------------------------
     embedder: str = _knob(
@@ -219,6 +229,11 @@ class SemShareConfig:
                 raise SemShareConfigError(
                     "shared_index_url needs kv_tier \"lmcache\" and lmcache_remote_url: other "
                     "instances must be able to read the KV of the donors it announces")
+            if not self.shared_index_secret:
+                raise SemShareConfigError(
+                    "shared_index_url needs shared_index_secret (or SEMSHARE_SHARED_INDEX_SECRET):"
+                    " the key every instance signs its records with; without it any client of "
+                    "the Redis server could announce donors")
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -249,7 +264,11 @@ class SemShareConfig:
         return cls(**values)
 
     def describe(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("secret") and out[f.name] is not None:
+                out[f.name] = "***"
+        return out
 
 
 ALIGN_STAGES = ("exact", "edit", "sentence", "lsh")

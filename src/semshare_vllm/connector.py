@@ -35,16 +35,19 @@ from semshare_vllm.worker import SemShareWorker
 logger = logging.getLogger("vllm.semshare")
 
 
-def shared_donor_feed(config: SemShareConfig, geometry):
-    """The shared donor index (``shared_index_url``), or None (unset, or the ``[lmcache]`` extra
-    that brings redis-py missing: this instance then keeps its donors to itself, with one
-    warning)."""
+def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None = None):
+    """The shared donor index (``shared_index_url``, records signed with
+    ``shared_index_secret``), or None (unset, or the ``[lmcache]`` extra that brings redis-py
+    missing: this instance then keeps its donors to itself, with one warning). Records must have
+    this engine's tensor-parallel size and at most ``max_tokens`` tokens (its max_model_len)."""
     if not config.shared_index_url:
         return None
     try:
-        from semshare_vllm.shared_index import SharedDonorFeed
+        from semshare_vllm.shared_index import MAX_TOKENS, SharedDonorFeed
 
-        return SharedDonorFeed(config.shared_index_url, geometry.fingerprint)
+        return SharedDonorFeed(config.shared_index_url, geometry.fingerprint,
+                               secret=config.shared_index_secret, tp_size=geometry.tp_size,
+                               max_tokens=max_tokens or MAX_TOKENS)
     except Exception as exc:
         logger.warning("SemShare: the shared donor index is off (this instance's donors only): "
                        "%s: %s", type(exc).__name__, exc)
@@ -69,12 +72,16 @@ class SemShareConnector(KVConnectorBase_V1):
                             "cannot be loaded is recomputed, never fails the request)",
                             self._kv_transfer_config.kv_load_failure_policy)
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            discovery = None if geometry.unsupported else build_discovery(
+            if geometry.exact_only and not geometry.unsupported:
+                logger.warning("SemShare: exact-prefix reuse only: %s", geometry.exact_only)
+            # Quantised KV (exact_only): no semantic discovery, so no semantic claims.
+            discovery = None if geometry.unsupported or geometry.exact_only else build_discovery(
                 self.config, vllm_config.model_config.tokenizer)
             aligner = None if discovery is None else Aligner(
                 AlignParams.from_config(self.config), vllm_config.model_config.model,
                 vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
-            feed = None if geometry.unsupported else shared_donor_feed(self.config, geometry)
+            feed = None if geometry.unsupported else shared_donor_feed(
+                self.config, geometry, vllm_config.model_config.max_model_len)
             self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
@@ -117,6 +124,11 @@ class SemShareConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:   # failed loads' blocks leave vLLM's prefix cache
+            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
@@ -140,7 +152,7 @@ class SemShareConnector(KVConnectorBase_V1):
         self.worker.start_captures()  # after the forward: nothing in this step waits for them
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self.worker.get_finished()
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

@@ -26,6 +26,9 @@ from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
+_TMP_PREFIX = ".tmp-"
+# A partial file of a writer that is not on this host (or unnamed) is left for this long.
+STALE_PARTIAL_S = 3600.0
 
 
 class CorruptDonorFile(RuntimeError):
@@ -44,9 +47,14 @@ class DonorHeader:
 
 
 def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
-                head_size: int, block_size: int, tp_size: int) -> str:
-    """A short id of everything the scheduler knows that must match for stored KV to be reusable."""
-    blob = json.dumps([model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size])
+                head_size: int, block_size: int, tp_size: int, extra=None) -> str:
+    """A short id of everything the scheduler knows that must match for stored KV to be reusable.
+    ``extra``: anything else that changes the KV of the same tokens (the weights' identity,
+    quantisation, RoPE, the KV cache dtype: ``geometry.py``), JSON-able with sorted keys."""
+    parts = [model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size]
+    if extra is not None:
+        parts.append(extra)
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
@@ -73,7 +81,9 @@ def write(path: Path, namespace: str, donor_id: str, token_ids: list[int],
         "checksum": checksum(pages),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
+    # The writer's pid in the name: a restart removes what a killed writer left (``stale_partials``)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_writer()}-", suffix=SUFFIX,
+                               dir=path.parent)
     os.close(fd)
     try:
         save_file({"pages": pages}, tmp, metadata=meta)
@@ -120,3 +130,34 @@ def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
     if checksum(pages) != header.checksum:
         raise CorruptDonorFile(f"{path}: checksum mismatch")
     return header, pages
+
+
+def stale_partials(root: Path) -> list[Path]:
+    """Temporary files a writer left when it was killed mid-write: its process is gone from this
+    host, or (another host's, or unnamed) the file is older than ``STALE_PARTIAL_S``. A live
+    writer's file is never listed, so instances sharing a directory do not break each other."""
+    import time
+
+    stale = []
+    here = _writer().split("@", 1)[1]
+    for path in root.glob(f"{_TMP_PREFIX}*{SUFFIX}"):
+        pid, _, host = path.name[len(_TMP_PREFIX):].split("-", 1)[0].partition("@")
+        try:
+            if host == here and pid.isdigit():
+                os.kill(int(pid), 0)
+                continue                          # its writer is alive
+            if time.time() - path.stat().st_mtime < STALE_PARTIAL_S:
+                continue
+        except ProcessLookupError:
+            pass
+        except OSError:                           # EPERM: alive, another user's; or vanished
+            continue
+        stale.append(path)
+    return stale
+
+
+def _writer() -> str:
+    """``pid@host`` (the host name without "-", which separates it from mkstemp's suffix)."""
+    import socket
+
+    return f"{os.getpid()}@{socket.gethostname().replace('-', '_')}"

@@ -4,11 +4,22 @@ Both halves compute the same ``KVGeometry`` from the same ``KVCacheConfig``, so 
 byte accounting and the worker's stored tensors agree, and persisted donors carry a fingerprint
 of it. Models or parallel layouts we cannot handle yet get ``unsupported`` set (with the reason)
 and the connector stays out of their way: no claims, no captures.
+
+The fingerprint also keys what changes the KV of the same tokens without changing its shape: the
+weights' identity (a new checkpoint at the same path), their quantisation, RoPE overrides and the
+KV cache dtype, so that donors persisted or shared by an engine running other weights are never
+served as exact. Quantised KV with per-tensor fp8 scales gets ``exact_only`` (the reason): exact
+page copies stay valid, the RoPE correction and the selective recompute (which ignore the scales)
+are off. Any other quantised KV is ``unsupported``: a page copy would not carry its scales.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,6 +36,9 @@ class KVGeometry:
     tp_size: int
     fingerprint: str
     unsupported: str | None = None
+    # Set (the reason) for quantised KV whose pages may be copied as they are, but not moved to
+    # other positions or repaired: exact-prefix reuse only, no discovery, no recompute.
+    exact_only: str | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -60,8 +74,134 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     heads = getattr(spec, "num_kv_heads", 0)
     head_size = getattr(spec, "head_size", 0)
     dtype = getattr(spec, "dtype", torch.float32)
+    declined, exact_only = kv_quantisation(vllm_config, spec)
+    reason = reason or declined
     fp = donor_file.fingerprint(str(vllm_config.model_config.model), str(dtype),
                                 list(layer_names), heads, head_size, spec.block_size,
-                                parallel.tensor_parallel_size)
+                                parallel.tensor_parallel_size, extra=kv_identity(vllm_config))
     return KVGeometry(layer_names, spec.block_size, heads, head_size, dtype,
-                      parallel.tensor_parallel_size, fp, reason)
+                      parallel.tensor_parallel_size, fp, reason, exact_only)
+
+
+# ---- KV formats ---------------------------------------------------------------------------------
+_PLAIN_KV_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32", "half", "float"})
+
+
+def kv_quantisation(vllm_config, spec) -> tuple[str | None, str | None]:
+    """(unsupported, exact_only) reasons for the KV cache dtype; (None, None) for plain KV."""
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    cache_config = getattr(vllm_config, "cache_config", None)
+    cache_dtype = str(getattr(cache_config, "cache_dtype", None) or "auto")
+    try:
+        mode = get_kv_quant_mode(cache_dtype)
+    except (KeyError, ValueError):      # a name vLLM's own table does not know
+        mode = None
+    spec_mode = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
+    if mode == KVQuantMode.NONE and spec_mode != KVQuantMode.NONE:
+        mode = spec_mode
+    if mode == KVQuantMode.NONE and cache_dtype in _PLAIN_KV_DTYPES:
+        return None, None
+    if mode != KVQuantMode.FP8_PER_TENSOR:
+        return (f"KV cache dtype {cache_dtype!r} ({getattr(mode, 'name', 'unknown')}) keeps "
+                "its quantisation scales apart from the pages, or is not one the connector "
+                "knows: a page copy would not carry them"), None
+    if getattr(cache_config, "calculate_kv_scales", False):
+        return (f"KV cache dtype {cache_dtype!r} with calculate_kv_scales: the fp8 scales are "
+                "computed per engine run, so pages copied from another run (or kept across "
+                "the first batch) would be read with other scales"), None
+    return None, (f"KV cache dtype {cache_dtype!r} is quantised (per-tensor fp8 scales): exact "
+                  "page copies only; the RoPE correction and selective recompute ignore the "
+                  "scales, so semantic reuse and recompute are off")
+
+
+# ---- what else keys the KV of the same tokens ----------------------------------------------------
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _stable(obj):
+    """A JSON value for ``obj`` that is the same in every process (no object addresses)."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _stable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [_stable(v) for v in obj]
+        return sorted(items, key=repr) if isinstance(obj, (set, frozenset)) else items
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return _stable(to_dict())
+        except Exception:
+            pass
+    return _ADDRESS.sub("", repr(obj))
+
+
+def _local_weights(path: Path) -> dict:
+    """Names, sizes and mtimes of a local model's weight files, and its config.json's hash:
+    a new checkpoint written at the same path changes it, and no weight byte is read."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
+    out = {"files": []}
+    for p in files:
+        try:
+            st = p.stat()     # follows links (hub snapshots link to their blobs)
+        except OSError:
+            continue
+        out["files"].append([p.name, st.st_size, st.st_mtime_ns])
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        out["config"] = hashlib.blake2b(config.read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        out["config"] = None
+    return out
+
+
+def _hub_snapshot(repo: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """The commit of the cached snapshot of ``repo`` at ``revision``, offline; None if unknown."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir,
+                                       revision=revision or None)
+    except Exception:
+        return None
+    if isinstance(found, str):
+        return Path(found).parent.name       # .../snapshots/<commit>/config.json
+    return None
+
+
+def weights_identity(model_config, load_config=None) -> dict:
+    model = str(getattr(model_config, "model", ""))
+    revision = getattr(model_config, "revision", None)
+    if os.path.exists(model):
+        return {"local": _local_weights(Path(model))}
+    cache_dir = getattr(load_config, "download_dir", None)
+    commit = _hub_snapshot(model, revision, cache_dir)
+    return {"hub": model, "commit": commit, "revision": None if commit else revision}
+
+
+def kv_identity(vllm_config) -> dict:
+    """What changes the KV of the same tokens at the same shape: the weights (their identity,
+    quantisation, dtype), RoPE (overrides, scaling, theta) and the KV cache dtype."""
+    mc = vllm_config.model_config
+    cache_config = getattr(vllm_config, "cache_config", None)
+    rope = {}
+    hf_configs = [getattr(mc, "hf_config", None), getattr(mc, "hf_text_config", None)]
+    for i, hf in enumerate(c for c in hf_configs if c is not None):
+        if i and hf is hf_configs[0]:
+            continue
+        for name in ("rope_scaling", "rope_theta", "rope_parameters", "max_position_embeddings",
+                     "partial_rotary_factor"):
+            rope[f"{i}.{name}"] = getattr(hf, name, None)
+    return _stable({
+        "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
+        "quantization": getattr(mc, "quantization", None),
+        "model_dtype": str(getattr(mc, "dtype", None)),
+        "hf_overrides": getattr(mc, "hf_overrides", None),
+        "rope": rope,
+        "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),
+    })

@@ -13,7 +13,8 @@ connector of ours between its memory objects and our rows. Why this one:
 
 Keys: a donor's KV is stored under its own tokens (LMCache's prefix-chained chunk keys, hashed
 with ``sha256_cbor``, which is stable across processes), tagged with the donor's namespace
-(``lmcache.tag.semshare_ns``) so that two tenants never share a chunk. The last, partial chunk
+(``lmcache.tag.semshare_ns``: ``namespace_tag``, a hash of it, one-to-one and safe inside
+LMCache's key strings) so that two tenants never share a chunk. The last, partial chunk
 is stored too. Format: LMCache's ``KV_2LTD`` ``[2, L, T, H*D]`` against our rows
 ``[L, T, H, 2D]``: one permuted copy each way.
 
@@ -24,6 +25,7 @@ remote backend are asynchronous, and ``put`` waits (boundedly) until one is read
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import multiprocessing
@@ -55,6 +57,12 @@ LMCACHE_VERSION = "0.5.6"
 NAMESPACE_TAG = "lmcache.tag.semshare_ns"
 _LOCAL = "LocalCPUBackend"
 _ids = itertools.count()
+
+
+def namespace_tag(namespace: str) -> str:
+    """The namespace's LMCache tag: one per namespace ("" and "-" included), with no character
+    LMCache's key strings use as a separator ("@", "%")."""
+    return "ns-" + hashlib.blake2b(namespace.encode(), digest_size=16).hexdigest()
 
 
 class LMCacheKVStore(DonorKVStore):
@@ -118,7 +126,8 @@ class LMCacheKVStore(DonorKVStore):
 
     def _keys(self, key: DonorKey, token_ids: Sequence[int]):
         return list(self.engine.token_database.process_tokens(
-            tokens=list(token_ids), request_configs={NAMESPACE_TAG: key.namespace or "-"}))
+            tokens=list(token_ids),
+            request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)}))
 
     # ---- DonorKVStore ------------------------------------------------------------------------
     def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> bool:
@@ -130,7 +139,7 @@ class LMCacheKVStore(DonorKVStore):
         # the server closed and is lost (logged by LMCache); the next one reconnects.
         for _ in range(2):
             self.engine.store(tokens=list(token_ids), kv=kv,
-                              request_configs={NAMESPACE_TAG: key.namespace or "-"})
+                              request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)})
             state = self._remote_state(key, token_ids, timeout_s)
             if state == "readable":
                 return True

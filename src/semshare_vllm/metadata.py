@@ -61,6 +61,10 @@ class LoadSpec:
     # With an LMCache tier (``kv_tier``): the donor's own token ids, its key there, for a donor
     # that is not (or no longer) in this worker's host store.
     donor_token_ids: list[int] | None = None
+    # Another instance's donor (shared index): per tensor-parallel rank, the digest of the KV
+    # shard it put (``shared_index.kv_digest``, signed by that rank); a fetch from the tier that
+    # does not match this worker's rank's digest is refused (the load fails, vLLM computes).
+    donor_kv_digests: list[str] | None = None
 
 
 @dataclass
@@ -83,6 +87,9 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     recompute_ready: bool | None = None
     # (donor, measured deviation) of each semantic load repaired this step
     deviations: list[tuple[DonorKey, float]] = field(default_factory=list)
+    # once: the worker turned itself off (the reason): the scheduler stops claiming and
+    # capturing. Any rank off turns them all off.
+    disabled: str | None = None
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -92,4 +99,5 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
         ready = [r for r in (self.recompute_ready, other.recompute_ready) if r is not None]
         return SemShareWorkerMetadata(merged, min(caps) if caps else None,
                                       all(ready) if ready else None,
-                                      self.deviations + other.deviations)
+                                      self.deviations + other.deviations,
+                                      self.disabled or other.disabled)

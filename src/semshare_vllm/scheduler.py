@@ -22,11 +22,10 @@ loaded through the LMCache tier on first use.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from semshare_vllm import donor_file
@@ -43,6 +42,7 @@ from semshare_vllm.donor_index import (
     donor_id_for,
 )
 from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.identity import keyable, namespace_of, semantic_allowed
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
@@ -55,6 +55,7 @@ from semshare_vllm.eviction import make_policy
 from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 
 logger = logging.getLogger("vllm.semshare.scheduler")
 
@@ -106,10 +107,6 @@ def wants_prompt_logprobs(request) -> bool:
 SNAPSHOT_INTERVAL_S = 30.0
 
 
-def namespace_of(request) -> str:
-    return request.cache_salt or ""
-
-
 @dataclass
 class SemanticMatch:
     """Donors discovery found for a request (valid when found: present, same namespace, not
@@ -154,7 +151,11 @@ class SemShareScheduler:
         self._aligning: dict[str, tuple[Future, float]] = {}
         self._aligned: dict[str, tuple[DonorKey, Alignment]] = {}  # req_id -> chosen donor
         self._approximate: set[str] = set()             # served from a semantic donor
-        self._salted: set[str] = set()                  # block hashes made request-only
+        # req_id -> its blocks from the first one a load writes (a failed load's blocks, and
+        # those computed after them, leave vLLM's prefix cache)
+        self._loaded_blocks: dict[str, list[int]] = {}
+        self._failed_loads: set[str] = set()            # never captured as donors
+        self._kv_cache_manager = None                   # vLLM's, for evicting failed blocks
         self.recompute_ready = False                    # the worker said it can repair
         # req_id -> match offered this step: an exact prefix, or a semantic plan
         self._matches: dict[str, PrefixMatch | SemanticPlan] = {}
@@ -189,7 +190,10 @@ class SemShareScheduler:
 
     def _start_lookup(self, request) -> None:
         d = self.discovery
-        if d is None or d.failed or request.num_prompt_tokens < self.config.min_reuse_tokens:
+        if d is None or d.failed or request.num_prompt_tokens < self.config.min_reuse_tokens \
+                or self.geometry.unsupported:
+            return
+        if not keyable(request) or not semantic_allowed(request):
             return
         if reuse_mode(request) in ("off", "exact"):
             return
@@ -291,6 +295,7 @@ class SemShareScheduler:
         for name, counter in (("published", "donors_published"),
                               ("publish_failures", "shared_publish_failures"),
                               ("dropped", "shared_records_dropped"),
+                              ("forged", "shared_records_forged"),
                               ("unready", "shared_records_unready"),
                               ("outages", "shared_index_outages")):
             if counts.get(name):
@@ -309,12 +314,16 @@ class SemShareScheduler:
         if not tokens or donor_id_for(shared.namespace, tokens) != shared.donor_id:
             self.stats.add("shared_records_dropped")   # not what its id says it is
             return
+        if len(shared.kv_digests) != self.geometry.tp_size:
+            self.stats.add("shared_records_dropped")   # its KV could not be checked on fetch
+            return
         if key in self.index or self.index.covers(shared.namespace, tokens):
             return
         n = len(tokens)
         record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
                              block_hashes(tokens, self.geometry.block_size),
-                             num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n))
+                             num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n),
+                             kv_digests=list(shared.kv_digests))
         evicted = self.index.add(record)
         if key in evicted:
             return
@@ -380,6 +389,11 @@ class SemShareScheduler:
         self._matches.pop(request.request_id, None)
         if self.geometry.unsupported:
             return 0, False
+        if not keyable(request):    # prompt embeddings: their token ids say nothing
+            if request.request_id not in self._looked_up:
+                self._looked_up.add(request.request_id)
+                self.stats.add("unkeyable_requests")
+            return 0, False
         mode = reuse_mode(request)
         if mode != "auto" and request.request_id not in self._looked_up:
             self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
@@ -411,8 +425,11 @@ class SemShareScheduler:
         plan = self._semantic(request, num_computed_tokens, max(claim, 0))
         if plan is _WAIT:
             return None, False
+        if plan is not None and not self._make_request_only(request, plan.start):
+            warn_once(logger, "request_only", "SemShare: this vLLM's requests have no block hasher "
+                      "the connector can wrap; semantic reuse is off")
+            plan = None
         if plan is not None:
-            self._make_request_only(request, plan.start)
             self._matches[request.request_id] = plan
             return plan.num_tokens, False
         if match is None or claim < max(self.config.min_reuse_tokens, 1):
@@ -427,7 +444,8 @@ class SemShareScheduler:
         found = self.found.get(rid)
         mode = reuse_mode(request)
         if (found is None and rid not in self._aligning and rid not in self._aligned) or \
-                self.aligner is None or not self.recompute_ready or mode in ("off", "exact"):
+                self.aligner is None or not self.recompute_ready or mode in ("off", "exact") \
+                or not semantic_allowed(request):
             return None
         if rid not in self._aligned:
             job = self._aligning.get(rid)
@@ -473,21 +491,13 @@ class SemShareScheduler:
         return plan_claim(key, al, num_computed, end, self.config.recompute_run_head,
                           self.config.recompute_tail)
 
-    def _make_request_only(self, request, start: int) -> None:
-        """Keep approximate KV out of vLLM's exact prefix cache: from the first block we fill,
-        the request's block hashes are re-derived with a per-request salt, so the blocks vLLM
-        caches for it (right after allocation, before the load) can never be another request's
-        exact hit. Later hashes chain from these, so they stay request-only too."""
-        rid = request.request_id
-        hashes = getattr(request, "block_hashes", None)
-        if rid in self._salted or not hashes:
-            return
-        first = start // self.geometry.block_size
-        salt = rid.encode()
-        for i in range(first, len(hashes)):
-            hashes[i] = type(hashes[i])(hashlib.sha256(b"semshare-approx\0" + salt
-                                                       + bytes(hashes[i])).digest())
-        self._salted.add(rid)
+    def _make_request_only(self, request, start: int) -> bool:
+        """Keep approximate KV out of vLLM's exact prefix cache: every block hash the request has
+        or will get from the block holding ``start`` on is salted per request
+        (``vllm_compat.block_hashes``), so the blocks vLLM caches for it (right after
+        allocation, before the load, and as decoding fills them) are never another request's
+        exact hit. False: this vLLM cannot be kept apart; make no approximate claim."""
+        return vllm_block_hashes.make_request_only(request, start, self.geometry.block_size)
 
     def _claim_limit(self, request) -> int:
         """vLLM must compute at least one token itself, and our claims end on a block boundary."""
@@ -504,11 +514,13 @@ class SemShareScheduler:
             # so that vLLM computes them; nothing else may come of a fault here.
             self._fault("load planning")
             if num_external_tokens:
+                block_ids = list(blocks.get_block_ids()[0])
+                self._loaded_blocks[request.request_id] = \
+                    block_ids[request.num_computed_tokens // self.geometry.block_size:]
                 self._loads.append(LoadSpec(
                     req_id=request.request_id, key=DonorKey("", ""),
                     src_start=0, dst_start=request.num_computed_tokens,
-                    num_tokens=num_external_tokens, block_ids=list(blocks.get_block_ids()[0]),
-                    policy="fail"))
+                    num_tokens=num_external_tokens, block_ids=block_ids, policy="fail"))
 
     def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         scoring = self._scoring.pop(request.request_id, None) is not None
@@ -536,17 +548,21 @@ class SemShareScheduler:
             spec = LoadSpec(
                 req_id=request.request_id, key=match.key, src_start=start, dst_start=start,
                 num_tokens=num_external_tokens, block_ids=block_ids)
-            if self.config.recompute_policy == "all":  # exact loads are repaired only in "all"
+            if self.config.recompute_policy == "all" and not self.geometry.exact_only:  # not fp8
                 spec.policy = "all"
                 spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
         if scoring:
             spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
+        self._loaded_blocks[request.request_id] = \
+            block_ids[spec.dst_start // self.geometry.block_size:]
         self.index.touch(spec.key)
         record = self.index.get(spec.key)
         if record is not None:
             record.hits += 1
             if self.config.kv_tier != "host":   # the worker may have to fetch it from there
                 spec.donor_token_ids = list(record.token_ids)
+                if record.kv_digests:            # another instance's: what it must fetch
+                    spec.donor_kv_digests = list(record.kv_digests)
         self.stats.add("hits")
         self.stats.add("hit_tokens", spec.num_tokens)
         self._loads.append(spec)     # last: a fault above leaves only the "fail" load
@@ -569,12 +585,15 @@ class SemShareScheduler:
         self._looked_up.discard(request.request_id)
         self.found.pop(request.request_id, None)
         self._aligned.pop(request.request_id, None)
-        self._salted.discard(request.request_id)
+        self._loaded_blocks.pop(request.request_id, None)
         job = self._aligning.pop(request.request_id, None)
         if job is not None:
             job[0].cancel()
-        if request.request_id in self._approximate:
-            # Approximate KV never becomes a donor: error must not compound.
+        failed = request.request_id in self._failed_loads
+        self._failed_loads.discard(request.request_id)
+        if request.request_id in self._approximate or failed:
+            # Approximate KV never becomes a donor (error must not compound), nor does a request
+            # whose load failed (vLLM may not have recomputed the blocks before it ended).
             self._approximate.discard(request.request_id)
             return False, None
         pending = self._lookups.pop(request.request_id, None)
@@ -594,7 +613,8 @@ class SemShareScheduler:
                              "once, counted in stats as fallbacks)", where)
 
     def _capture_on_finish(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        if not self.config.capture or self.geometry.unsupported or reuse_mode(request) == "off":
+        if not self.config.capture or self.geometry.unsupported or reuse_mode(request) == "off" \
+                or not keyable(request):
             return False, None
         # The KV of the last token is never computed (it was just sampled); with async
         # scheduling num_computed_tokens may already count it.
@@ -626,10 +646,23 @@ class SemShareScheduler:
     def has_pending_block_frees(self) -> bool:
         return bool(self._capturing)
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._capturing.discard(req_id)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._forget_failed_loads(invalid)
         meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, SemShareWorkerMetadata) and meta.disabled and \
+                not self.geometry.unsupported:
+            # A worker turned itself off (a layout it cannot address, no pool): its loads would
+            # all fail. No more claims, captures or lookups (each checks ``unsupported``).
+            self.geometry = replace(self.geometry, unsupported=f"worker: {meta.disabled}")
+            logger.warning("SemShare disabled by the worker: %s; requests are computed as usual",
+                           meta.disabled)
         if isinstance(meta, SemShareWorkerMetadata) and meta.recompute_ready is not None:
             self.recompute_ready = meta.recompute_ready
         if isinstance(meta, SemShareWorkerMetadata):
@@ -643,6 +676,20 @@ class SemShareScheduler:
                 if self.index.remove(key) is not None:
                     self.stats.add("donors_evicted")
                 self._evictions.append(key)
+
+    def _forget_failed_loads(self, invalid: set[int]) -> None:
+        """A load failed (the worker reported its blocks): vLLM's ``recompute`` policy keeps
+        those blocks cached for the request to recompute, but a request preempted or aborted
+        first would leave never-written KV under its true hashes. Take the failed blocks, and
+        every block computed after them from that KV, out of vLLM's prefix cache, and never
+        capture the request."""
+        for req_id, blocks in self._loaded_blocks.items():
+            bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            if bad is None:
+                continue
+            self._failed_loads.add(req_id)
+            vllm_block_hashes.evict_cached(self._kv_cache_manager, blocks[bad:])
+            self.stats.add("failed_blocks_uncached", len(blocks) - bad)
 
     def _evict(self, keys: list[DonorKey]) -> None:
         if keys:
@@ -666,6 +713,9 @@ class SemShareScheduler:
         """Index the donors persisted under ``root`` (headers only; data is checked on load)."""
         if not root.is_dir():
             return
+        for partial in donor_file.stale_partials(root):   # a writer killed mid-write
+            partial.unlink(missing_ok=True)
+            self.stats.add("persisted_incomplete")
         tp = self.geometry.tp_size
         files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:

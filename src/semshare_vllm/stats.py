@@ -25,6 +25,7 @@ COUNTERS: dict[str, str] = {
     "donors_evicted": "donors evicted (capacity) or dropped (found bad)",
     "donors_restored": "donors found again in persist_dir at start-up",
     "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
+    "persisted_incomplete": "partial donor files a killed writer left, removed at start-up",
     "fallbacks": "lookups or captures abandoned because of a connector fault",
     "semantic_lookups": "requests whose semantic donor search was started",
     "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",
@@ -42,6 +43,8 @@ COUNTERS: dict[str, str] = {
     "donors_shared_in": "donors other instances announced, added to this instance's index",
     "shared_records_dropped": "shared-index records not used (unreadable, id not matching "
                               "their tokens, backlog full)",
+    "shared_records_forged": "shared-index records, or the readiness marks of their KV, not "
+                             "signed with shared_index_secret (dropped)",
     "shared_records_unready": "shared-index records dropped because their KV never became "
                               "readable (the announcing instance's LMCache put failed)",
     "shared_index_outages": "times the shared index became unreachable (this instance went on "
@@ -64,6 +67,8 @@ COUNTERS: dict[str, str] = {
     "tier_fetches": "loads whose donor was fetched from the LMCache tier into the host store",
     "tier_fetched_tokens": "tokens of donor KV fetched from the LMCache tier",
     "tier_fetch_ms": "milliseconds spent fetching donor KV from the LMCache tier",
+    "tier_digest_mismatches": "another instance's donor KV fetched from the LMCache tier that "
+                              "was not what its rank signed (the load failed: recomputed)",
     "capture_ms": "milliseconds spent capturing donor KV",
     "recomputed_tokens": "loaded tokens recomputed through the model (in their first layer)",
     "recomputed_token_layers": "token-layers recomputed (a token recomputed in 3 layers: 3)",
@@ -76,6 +81,10 @@ COUNTERS: dict[str, str] = {
     "deviation_count": "repaired semantic loads whose deviation was measured",
     "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
     "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",
+    "unkeyable_requests": "requests never served nor captured: their token ids do not say what "
+                          "their KV is (prompt embeddings)",
+    "failed_blocks_uncached": "blocks of failed loads (and those computed after them) taken out "
+                              "of vLLM's prefix cache",
 }
 
 

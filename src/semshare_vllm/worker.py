@@ -83,8 +83,12 @@ class SemShareWorker:
         self._capturing: dict[DonorKey, list] = {}
         self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-capture")
         self._invalid_blocks: set[int] = set()
+        # requests whose load failed, until vLLM says they finished: never captured (their
+        # blocks may hold KV nobody wrote, if they end before vLLM recomputes it)
+        self._failed_loads: set[str] = set()
         self._bad_donors: list[DonorKey] = []
         self._capacity_report: int | None = None
+        self._disabled_report: str | None = None   # sent once (build_worker_meta)
         self._tier_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
         self._tier_puts: list[Future] = []
         self._ready_marks = None     # shared_index.KVReadyMarks, with shared_index_url
@@ -101,6 +105,7 @@ class SemShareWorker:
                 isa = getattr(layer, "isa", None) or getattr(getattr(layer, "impl", None),
                                                              "isa", None)
                 layout = PageLayout(backend, self.geometry.head_size, isa)
+                self._check_block_size(name, kv_caches[name], layer)
                 layout.view(kv_caches[name])  # raises for layouts we cannot read
                 layouts.add(layout)
                 self.caches.append(kv_caches[name])
@@ -114,18 +119,54 @@ class SemShareWorker:
         except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
             self.disabled = f"{type(exc).__name__}: {exc}"
             self.caches, self.stacks, self.store = [], [], None
-            logger.warning("SemShare disabled on this worker (requests are computed as usual, "
-                           "claims fail over to recompute): %s", self.disabled)
+            self._disabled_report = self.disabled   # the scheduler then stops claiming
+            logger.warning("SemShare disabled on this worker (requests are computed as usual; "
+                           "the scheduler stops claiming): %s", self.disabled)
             return
         self._capacity_report = self.store.capacity_bytes
         self._ready_report = self.runner is not None
+
+    def _check_block_size(self, name: str, cache: torch.Tensor, layer) -> None:
+        """Loads, captures and the recompute address ``block_id * block_size + offset`` in the
+        scheduler's blocks. A backend that splits them into smaller kernel blocks (vLLM's
+        ``kernel_block_size``, ``map_kv_caches_to_kernel_blocks``) has other block ids and page
+        sizes: refuse it, from the tensor registered, the view bound to the attention layer, or
+        else the backend's declared kernel block sizes."""
+        bs = self.geometry.block_size
+
+        def refuse(what: str, n: int | None):
+            has = f"has kernel blocks of {n} tokens" if n else f"takes no {bs}-token blocks"
+            raise UnsupportedKVLayout(
+                f"layer {name}: {what} {has}, the scheduler's blocks are {bs} tokens "
+                "(kernel-block splitting is not supported"
+                + (f"; serve with --block-size {n})" if n else ")"))
+
+        if cache.dim() == 4 and cache.shape[2] != bs:
+            refuse("the registered KV tensor", cache.shape[2])
+        bound = getattr(layer, "kv_cache", None)
+        bound = [t for t in (bound if isinstance(bound, (list, tuple)) else [bound])
+                 if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()]
+        for t in bound:
+            if t.shape[2] != bs:
+                refuse("the attention layer's KV view", t.shape[2])
+        if bound:
+            return
+        backend = getattr(layer, "attn_backend", None)
+        try:
+            sizes = list(backend.get_supported_kernel_block_sizes())
+        except Exception:   # not reachable without the layer's spec: nothing more to check
+            return
+        ok = [s == bs if isinstance(s, int) else bs % getattr(s, "base", 1) == 0 for s in sizes]
+        if sizes and not any(ok):
+            fixed = [s for s in sizes if isinstance(s, int) and bs % s == 0]
+            refuse(f"backend {backend.get_name()}", max(fixed) if fixed else None)
 
     def _make_runner(self, kv_caches: dict[str, torch.Tensor]) -> LayerRunner | None:
         """The layer runner over the model the plugin hook recorded, when recompute is on. Any
         problem turns recompute off with one warning: loads that need repair are then reported
         failed (vLLM computes those tokens); exact loads stay plain copies."""
-        if self.config.recompute_policy == "none":
-            return None
+        if self.config.recompute_policy == "none" or self.geometry.exact_only:
+            return None    # quantised KV: the repair would ignore its scales (geometry.py)
         model = model_hook.loaded_model(self._vllm_config)
         try:
             if model is None:
@@ -172,7 +213,7 @@ class SemShareWorker:
                 from semshare_vllm.shared_index import KVReadyMarks
 
                 self._ready_marks = KVReadyMarks(self.config.shared_index_url, g.fingerprint,
-                                                 rank)
+                                                 rank, self.config.shared_index_secret)
             return LMCacheKVStore(
                 len(g.layer_names), g.num_kv_heads, g.head_size, g.dtype,
                 model_name=g.fingerprint,   # keys differ wherever the KV geometry differs
@@ -199,6 +240,8 @@ class SemShareWorker:
         try:
             if self.store is None:
                 raise DonorUnavailable(self.disabled or "no host store")
+            if spec.req_id in self._failed_loads:
+                raise DonorUnavailable("its load failed")
             pool_blocks = self.store.allocate(spec.key, len(spec.block_ids), self._capturing)
         except DonorUnavailable as exc:
             warn_once(logger, "capture", "SemShare: request %s is not kept as a donor: %s",
@@ -241,7 +284,11 @@ class SemShareWorker:
         try:
             kept = self.tier.put(key, token_ids, rows)
             if kept and self._ready_marks is not None:
-                kept = self._ready_marks.mark(key.donor_id)   # other instances may now load it
+                from semshare_vllm.shared_index import kv_digest
+
+                # other instances may now load it, if what they fetch is what was put here
+                digest = kv_digest(rows, getattr(self.tier, "dtype", None))
+                kept = self._ready_marks.mark(key.donor_id, digest)
         except Exception as exc:
             warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
                       key.donor_id, exc)
@@ -347,6 +394,20 @@ class SemShareWorker:
         if rows is None:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is in neither the host store "
                                    "nor LMCache")
+        if spec.donor_kv_digests is not None:   # another instance's: its rank signed this digest
+            import hmac
+
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from semshare_vllm.shared_index import kv_digest
+
+            rank = get_tensor_model_parallel_rank()
+            expected = spec.donor_kv_digests[rank] if rank < len(spec.donor_kv_digests) else ""
+            got = kv_digest(rows, getattr(self.tier, "dtype", None))
+            if not hmac.compare_digest(got.encode(), str(expected).encode()):
+                self.stats.add("tier_digest_mismatches")
+                raise DonorUnavailable(f"donor {spec.key.donor_id}: the KV in LMCache is not "
+                                       "what its instance put (digest mismatch)")
         if not self.store.put(spec.key, spec.donor_token_ids, rows, self._capturing):
             raise DonorUnavailable(f"donor {spec.key.donor_id} does not fit the host store")
         self.stats.add("tier_fetches")
@@ -385,6 +446,7 @@ class SemShareWorker:
         bs = self.geometry.block_size
         first, last = spec.dst_start // bs, (spec.dst_start + spec.num_tokens - 1) // bs
         self._invalid_blocks.update(spec.block_ids[first:last + 1])
+        self._failed_loads.add(spec.req_id)
 
     def _recompute(self, spec: LoadSpec) -> None:
         end = spec.dst_start + spec.num_tokens
@@ -413,7 +475,10 @@ class SemShareWorker:
         self.stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
 
     # ---- reports back to the scheduler --------------------------------------------------------
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str] = frozenset()
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM sends a request's capture in the step that reports it finished: taken above
+        self._failed_loads.difference_update(finished_req_ids)
         self._reap()
         done, self._finished_sending = self._finished_sending, set()
         return (done or None), None
@@ -424,12 +489,14 @@ class SemShareWorker:
 
     def build_worker_meta(self) -> SemShareWorkerMetadata | None:
         self._reap_tier_puts()
-        if not self._bad_donors and self._capacity_report is None and not self._deviations:
+        if not self._bad_donors and self._capacity_report is None and not self._deviations \
+                and self._disabled_report is None:
             return None
         meta = SemShareWorkerMetadata(self._bad_donors, self._capacity_report,
-                                      self._ready_report, self._deviations)
+                                      self._ready_report, self._deviations,
+                                      self._disabled_report)
         self._bad_donors, self._capacity_report, self._ready_report = [], None, None
-        self._deviations = []
+        self._deviations, self._disabled_report = [], None
         return meta
 
     def flush_captures(self) -> None:

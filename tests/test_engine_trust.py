@@ -1,0 +1,189 @@
+"""Reused KV served only where it is right, in a real engine set up as users run vLLM: prefix
+caching on, vLLM's default block size (128 on CPU), SmolLM2-135M, real text, LoRA enabled.
+Every answer is checked against vLLM's own cold computation of the same prompt (the connector
+opted out, under a fresh cache_salt, in the same engine)."""
+
+import json
+
+import pytest
+
+from semshare_vllm.donor_index import donor_id_for
+from semshare_vllm.metadata import DonorKey
+from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 8
+OFF = {"semshare": "off"}
+HEAD_A = "Read the article below and answer the question after it.\n\n"
+HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
+          "all of it before you answer, and answer in one short sentence.\n\n")
+Q1 = "\n\nQuestion: What is this article about? Answer:"
+Q2 = "\n\nQuestion: Who or what is the subject? Answer:"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(models.smollm2())
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    def ids(text):
+        return tok(text)["input_ids"]
+
+    out = {}
+    for name, start in (("lora", 1300), ("semantic", 700)):
+        doc = wiki_document(start, 2000)
+        out[name] = (ids(HEAD_A + doc + Q1), ids(HEAD_B + doc + Q2))
+    doc = wiki_document(1700, 2000)          # one document, two questions: an exact prefix
+    out["fail"] = (ids(doc + Q1), ids(doc + Q2))
+    out["filler"] = ids(wiki_document(900, 600) + "\n\nSummary:")
+    out["more"] = tok("\n\nAnd what happened next?", add_special_tokens=False)["input_ids"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory):
+    """A random rank-8 LoRA adapter for the model (PEFT format), strong enough to change its
+    answers."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((models.smollm2() / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or hidden // cfg["num_attention_heads"])
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    for i in range(layers):
+        for name, out in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            weights[prefix + ".lora_A.weight"] = torch.randn(8, hidden, generator=g) * 0.05
+            weights[prefix + ".lora_B.weight"] = torch.randn(out, 8, generator=g) * 0.05
+    path = tmp_path_factory.mktemp("lora")
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none", "task_type": "CAUSAL_LM",
+        "target_modules": ["q_proj", "k_proj", "v_proj"], "base_model_name_or_path": model}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return offline.semshare_llm(model, {"host_store_bytes": "512MiB",
+                                        "lookup_deadline_ms": 20000},
+                                enable_prefix_caching=True, block_size=None, enable_lora=True,
+                                max_lora_rank=8, max_loras=1)
+
+
+@pytest.fixture(scope="module")
+def halves(llm):
+    sched, worker = offline.connector_halves(llm)
+    assert sched.geometry.block_size == 128          # vLLM's default on CPU
+    return sched, worker
+
+
+def gen(llm, prompt, max_tokens=MAX_TOKENS, lora=None, salt=None, kv=None):
+    from vllm import SamplingParams
+
+    request = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv} if kv else None)
+    out = llm.generate([request], params, lora_request=lora, use_tqdm=False)[0]
+    return {"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens}
+
+
+def settle(llm, halves, filler):
+    """Let the last finished request be captured and embedded."""
+    sched, worker = halves
+    gen(llm, filler, 1, kv=OFF)
+    worker.flush_captures()
+    sched.discovery.wait_idle()
+    gen(llm, filler, 1, kv=OFF)
+    sched.discovery.wait_idle()
+
+
+def count(halves, name):
+    sched, worker = halves
+    return sched.stats.totals.get(name, 0) + worker.stats.totals.get(name, 0)
+
+
+def test_a_donor_never_serves_a_request_with_another_lora_adapter(llm, halves, prompts,
+                                                                  adapter):
+    from vllm.lora.request import LoRARequest
+
+    lora = LoRARequest("random", 1, adapter)
+    a, b = prompts["lora"]
+    cold_plain = gen(llm, b, salt="cold-plain", kv=OFF)
+    cold_lora = gen(llm, b, lora=lora, salt="cold-lora", kv=OFF)
+    assert cold_lora["token_ids"] != cold_plain["token_ids"]    # the adapter changes the answer
+    gen(llm, a)                     # a donor computed without the adapter
+    settle(llm, halves, prompts["filler"])
+    hits = count(halves, "hits")
+    served = gen(llm, b, lora=lora)
+    assert count(halves, "hits") == hits and served["num_cached_tokens"] == 0
+    assert served["token_ids"] == cold_lora["token_ids"]
+
+
+def test_a_semantic_hit_its_decode_and_the_next_turn_never_meet_in_vllms_prefix_cache(
+        llm, halves, prompts):
+    """Approximate KV is request-only in vLLM's prefix cache, the partial block its decode fills
+    included: the next turn, with the connector opted out, gets nothing from vLLM's cache."""
+    a, b = prompts["semantic"]
+    gen(llm, a)
+    settle(llm, halves, prompts["filler"])
+    semantic, claimed = count(halves, "semantic_hits"), count(halves, "hit_tokens")
+    fill = 128 - len(b) % 128 + 2                 # decoding fills the prompt's last block
+    out = gen(llm, b, max_tokens=fill)
+    assert count(halves, "semantic_hits") == semantic + 1
+    assert count(halves, "hit_tokens") - claimed >= 0.7 * len(b)
+    turn = b + out["token_ids"] + prompts["more"]
+    cold = gen(llm, turn, salt="cold-turn", kv=OFF)
+    nxt = gen(llm, turn, kv=OFF)
+    assert nxt["num_cached_tokens"] == 0
+    assert nxt["token_ids"] == cold["token_ids"]
+
+
+def test_a_failed_load_then_abort_leaves_no_unwritten_kv_for_the_next_request(llm, halves,
+                                                                              prompts):
+    """vLLM caches a request's blocks before the worker loads them, and with the connector's
+    "recompute" failure policy it keeps them cached for the request to recompute. Here the
+    request is aborted first: the same prompt, connector opted out, must get none of them."""
+    from vllm import SamplingParams
+
+    sched, worker = halves
+    a, b = prompts["fail"]
+    cold = gen(llm, b, salt="cold-fail", kv=OFF)
+    donor = gen(llm, a)
+    settle(llm, halves, prompts["filler"])
+    key = DonorKey("", donor_id_for("", a + donor["token_ids"][:-1]))
+    assert key in worker.store
+    assert llm.reset_prefix_cache()       # vLLM forgets the document: only our donor has it
+    for cache in worker.caches:
+        cache.zero_()                     # what never-written blocks hold in this test
+    worker.store.drop(key)                # the donor is gone: its (exact) load fails
+    failures = count(halves, "load_failures")
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"semshare": "exact"}})
+    engine.add_request("fails-then-aborts", {"prompt_token_ids": b}, params)
+    engine.step()                         # claimed, the load fails, vLLM rewinds the request
+    assert count(halves, "load_failures") == failures + 1
+    engine.abort_request(["fails-then-aborts"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = gen(llm, b, kv=OFF)
+    assert again["num_cached_tokens"] == 0
+    assert again["token_ids"] == cold["token_ids"]
+    assert not any(len(r.token_ids) >= len(b) - 1 and r.token_ids[:len(b) - 1] == b[:-1]
+                   for r in sched.index.records())          # and it was not kept as a donor

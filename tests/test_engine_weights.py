@@ -1,0 +1,75 @@
+"""Persisted donors are keyed by the weights that computed them: a new checkpoint written at the
+same path (same file names, same sizes) restores none of the old donors, and the answer is the
+new weights' cold answer. Each engine lifetime runs in its own process (``scenarios/``)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed.text import wiki_document
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = Path(__file__).parent / "scenarios" / "persisted_other_weights.py"
+MAX_TOKENS = 8
+
+
+def lifetime(model, persist_dir, tmp_path, **job):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(dict(job, max_tokens=MAX_TOKENS)))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(model), str(persist_dir), str(path)],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rewrite_weights(model_dir: Path) -> None:
+    """Other random weights, saved over the old file: same names, shapes and size."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    size = path.stat().st_size
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            tensors[name] = (torch.randn(t.shape, generator=g) * 0.08).to(t.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(models.tiny_llama(), model)
+    tok = AutoTokenizer.from_pretrained(str(model))
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    doc = ids(wiki_document(700, 900))
+    a, b = doc + ids("\n\nQuestion: what is this about?"), doc + ids("\n\nSummarize it:")
+    persist = tmp_path / "donors"
+
+    first = lifetime(model, persist, tmp_path, prompt=a, capture=True, filler=ids("x " * 40))
+    assert first["restored"] == 0 and first["worker"]["captured_donors"] >= 1
+    same = lifetime(model, persist, tmp_path, prompt=b)      # control: same weights, restart
+    assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0
+    assert same["fingerprint"] == first["fingerprint"]
+
+    rewrite_weights(model)
+    other = lifetime(model, persist, tmp_path, prompt=b)
+    assert other["fingerprint"] != first["fingerprint"]
+    assert other["restored"] == 0 and other["scheduler"].get("hit_tokens", 0) == 0
+    cold = offline.reference_outputs(str(model), [b], MAX_TOKENS)[0]
+    assert other["out"]["token_ids"] == cold["token_ids"]
+    assert other["out"]["num_cached_tokens"] == 0

@@ -1,0 +1,154 @@
+"""``kv_geometry`` from small fake vLLM configs: what the fingerprint keys (persisted donors'
+directory, LMCache model name, shared stream) and which KV formats the connector serves."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from semshare_vllm.geometry import kv_geometry
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama", "rope_theta": 10000.0}')
+    (d / "model.safetensors").write_bytes(b"\x01" * 64)
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def vllm_config(model, *, quantization=None, hf_overrides=None, rope_scaling=None,
+                rope_theta=10000.0, cache_dtype="auto", calculate_kv_scales=False,
+                revision=None, download_dir=None):
+    hf_config = SimpleNamespace(rope_scaling=rope_scaling, rope_theta=rope_theta,
+                                max_position_embeddings=4096)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=str(model), revision=revision,
+                                     quantization=quantization, hf_overrides=hf_overrides or {},
+                                     hf_config=hf_config, hf_text_config=hf_config,
+                                     dtype=torch.float16, tokenizer=str(model)),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=16,
+                                     calculate_kv_scales=calculate_kv_scales),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        load_config=SimpleNamespace(download_dir=download_dir))
+
+
+def kv_cache_config(dtype=torch.float16):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=dtype)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
+                                                            layer_names=list(LAYERS))])
+
+
+def fp(model, **kw):
+    g = kv_geometry(vllm_config(model, **kw), kv_cache_config())
+    assert g.unsupported is None
+    return g.fingerprint
+
+
+def test_same_inputs_same_fingerprint(model_dir):
+    assert fp(model_dir) == fp(model_dir)
+    assert fp(model_dir, rope_scaling={"rope_type": "yarn", "factor": 2.0}) == \
+        fp(model_dir, rope_scaling={"factor": 2.0, "rope_type": "yarn"})
+    # a callable override is named, not printed with its address
+    assert fp(model_dir, hf_overrides=lambda c: c) == fp(model_dir, hf_overrides=lambda c: c)
+
+
+@pytest.mark.parametrize("how", ["rewrite", "size", "mtime", "new_shard", "index", "config"])
+def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
+    weights = model_dir / "model.safetensors"
+    st = weights.stat()
+    old_ns = st.st_mtime_ns - 10**10          # written 10 s ago
+    os.utime(weights, ns=(old_ns, old_ns))
+    before = fp(model_dir)
+    if how == "rewrite":        # a new checkpoint saved over the old one: same name and size
+        weights.write_bytes(b"\x02" * 64)
+    elif how == "size":         # same mtime, other size
+        weights.write_bytes(b"\x01" * 65)
+        os.utime(weights, ns=(old_ns, old_ns))
+    elif how == "mtime":        # same size, other mtime
+        os.utime(weights, ns=(old_ns, old_ns + 1))
+    elif how == "new_shard":
+        (model_dir / "model-00002-of-00002.bin").write_bytes(b"\x03")
+    elif how == "index":
+        (model_dir / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    elif how == "config":
+        (model_dir / "config.json").write_text('{"model_type": "llama", "rope_theta": 5e5}')
+    assert fp(model_dir) != before
+
+
+def test_files_that_are_not_weights_do_not_change_it(model_dir):
+    before = fp(model_dir)
+    (model_dir / "tokenizer.json").write_text('{"other": 1}')
+    (model_dir / "README.md").write_text("hello")
+    assert fp(model_dir) == before
+
+
+@pytest.mark.parametrize("change", [
+    dict(quantization="fp8"),
+    dict(quantization="awq"),
+    dict(hf_overrides={"rope_theta": 500000.0}),
+    dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    dict(rope_theta=500000.0),
+    dict(cache_dtype="fp8_e5m2"),
+])
+def test_quantisation_rope_and_cache_dtype_change_it(model_dir, change):
+    base = dict(cache_dtype="fp8_e4m3") if "cache_dtype" in change else {}
+    assert fp(model_dir, **base) != fp(model_dir, **change)
+
+
+def test_hub_id_is_keyed_by_its_cached_snapshot_commit(tmp_path):
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    for commit in ("a" * 40, "b" * 40):
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    first = fp("org/tiny", download_dir=str(cache))
+    assert first == fp("org/tiny", download_dir=str(cache))
+    (repo / "refs" / "main").write_text("b" * 40)
+    assert fp("org/tiny", download_dir=str(cache)) != first
+    # pinned to a commit: that commit, whatever main says
+    assert fp("org/tiny", download_dir=str(cache), revision="a" * 40) == first
+    # not in the cache: the revision string keys it
+    assert fp("org/absent", download_dir=str(cache), revision="v1") != \
+        fp("org/absent", download_dir=str(cache), revision="v2")
+
+
+# ---- KV formats ---------------------------------------------------------------------------------
+def geometry_for(model_dir, cache_dtype, calculate_kv_scales=False):
+    return kv_geometry(vllm_config(model_dir, cache_dtype=cache_dtype,
+                                   calculate_kv_scales=calculate_kv_scales), kv_cache_config())
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "float16", "bfloat16"])
+def test_plain_kv_is_fully_supported(model_dir, cache_dtype):
+    g = geometry_for(model_dir, cache_dtype)
+    assert g.unsupported is None and g.exact_only is None
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"])
+def test_per_tensor_fp8_is_exact_prefix_only(model_dir, cache_dtype):
+    g = geometry_for(model_dir, cache_dtype)
+    assert g.unsupported is None
+    assert g.exact_only and cache_dtype in g.exact_only
+
+
+def test_fp8_with_computed_scales_is_declined(model_dir):
+    g = geometry_for(model_dir, "fp8_e4m3", calculate_kv_scales=True)
+    assert g.unsupported and "calculate_kv_scales" in g.unsupported
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head",
+                                         "int4_per_token_head", "nvfp4", "nvfp4_4over6",
+                                         "turboquant_k8v4", "ultraquant_4bit", "int8"])
+def test_other_quantised_kv_is_declined(model_dir, cache_dtype):
+    g = geometry_for(model_dir, cache_dtype)
+    assert g.unsupported and cache_dtype in g.unsupported
