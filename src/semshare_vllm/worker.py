@@ -106,7 +106,10 @@ class SemShareWorker:
                                                              "isa", None)
                 layout = PageLayout(backend, self.geometry.head_size, isa)
                 self._check_block_size(name, kv_caches[name], layer)
-                layout.view(kv_caches[name])  # raises for layouts we cannot read
+                if self.geometry.exact_only:
+                    _check_whole_pages(kv_caches[name], self.geometry.head_size)
+                else:
+                    layout.view(kv_caches[name])  # raises for layouts we cannot read
                 layouts.add(layout)
                 self.caches.append(kv_caches[name])
             if len(layouts) != 1:
@@ -194,7 +197,7 @@ class SemShareWorker:
         return HostKVStore(capacity, list(self.geometry.layer_names), tuple(cache.shape[1:]),
                            cache.dtype, self.layout.name, get_tensor_model_parallel_rank(),
                            self.geometry.tp_size, root, pin_memory=cache.is_cuda,
-                           page_layout=self.layout)
+                           page_layout=None if self.geometry.exact_only else self.layout)
 
     def _make_tier(self) -> DonorKVStore | None:
         """LMCache as the donors' second tier, when configured (and, with a shared index, the
@@ -202,6 +205,11 @@ class SemShareWorker:
         installed, a bad backend URL), this worker goes on with the host store alone, with one
         warning."""
         if self.config.kv_tier != "lmcache":
+            return None
+        if self.geometry.exact_only:
+            logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in the "
+                           "host store of this instance): it moves KV as rows, and %s",
+                           self.geometry.exact_only)
             return None
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -521,3 +529,12 @@ class SemShareWorker:
             self._ready_marks.close()
         if self.store is not None:
             self.store.close()
+
+
+def _check_whole_pages(cache: torch.Tensor, head_size: int) -> None:
+    """Quantised KV (``geometry.exact_only``) is only ever moved as whole pages, byte for byte:
+    no per-token view (the CPU backend's element order is learnt by writing numbers through its
+    cache op, which fp8 cannot hold exactly), only the page shape is checked."""
+    if cache.dim() != 4 or cache.shape[3] != 2 * head_size:
+        raise UnsupportedKVLayout(f"expected [B, H, N, {2 * head_size}] KV pages, got "
+                                  f"{tuple(cache.shape)}")
