@@ -15,7 +15,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv models redis test demo bench clean
+.PHONY: venv models redis lint test demo bench clean
 
 $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,7 +40,11 @@ redis:
 			redis-server || { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y --no-install-recommends redis-server; }; }
 
-test: models redis
+# ruff (configured in pyproject.toml): pyflakes, pycodestyle, import order, bugbear.
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: lint models redis
 	$(PY) -m pytest tests -v
 
 # A short semshare-bench run on a local vllm serve (SmolLM2-135M; the GPU when there is one).

@@ -123,7 +123,8 @@ def main() -> None:
         for layer in LAYERS:
             (kt, vt), (kd, vd) = kv_t[layer], kv_d[layer]
             rows.setdefault(("random donor token", layer), []).append(np.stack([
-                rel_err(correct_rope(kd[randpos], randpos, tgt, rope), kt), rel_err(vd[randpos], vt),
+                rel_err(correct_rope(kd[randpos], randpos, tgt, rope), kt),
+                rel_err(vd[randpos], vt),
                 rel_err(kd[randpos], kt)]))
 
     names = list(dict.fromkeys(name for name, _ in rows))

@@ -23,14 +23,19 @@ import statistics
 
 import numpy as np
 
-from semshare_vllm.alignment import (AlignParams, DonorFeatures, EmbeddingTable,
-                                     SentenceSplitter, align)
+from semshare_vllm.alignment import (
+    AlignParams,
+    DonorFeatures,
+    EmbeddingTable,
+    SentenceSplitter,
+    align,
+)
 from semshare_vllm.alignment.exact_runs import align_exact
 from semshare_vllm.alignment.lsh import lsh_similarity
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.models import smollm2
-from semshare_vllm.testbed.timing import median_ms
 from semshare_vllm.testbed.text import wiki_extracts
+from semshare_vllm.testbed.timing import median_ms
 
 
 def _extracts(tok, n_tokens: int, seed: int) -> list[str]:

@@ -27,7 +27,6 @@ from semshare_vllm.testbed import models
 from semshare_vllm.testbed.redis_server import RedisServer
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 
-
 # Both instances sign their records and readiness marks with this (shared_index_secret).
 SECRET = secrets.token_hex(32)
 

@@ -28,8 +28,8 @@ import numpy as np
 from semshare_vllm.discovery.embedder import make_embedder
 from semshare_vllm.discovery.vector_index import VectorIndex
 from semshare_vllm.testbed import models
-from semshare_vllm.testbed.timing import median_ms
 from semshare_vllm.testbed.text import wiki_document
+from semshare_vllm.testbed.timing import median_ms
 
 
 def embedding_latency(runners: list[str], lengths: list[int], repeats: int, device: str) -> None:

@@ -158,7 +158,8 @@ def gpu_row(shape: ModelShape, tokens: int, layout: PageLayout, table: RopeTable
     exact = all(torch.equal(w, c) for w, c in zip(want, case.caches))
     worst = max((w.float() - c.float()).abs().max().item() for w, c in zip(want, case.caches))
     gbps = case.bytes_moved / seconds / 1e9
-    return ["tables" if offset_tables else "computed", tokens, f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
+    return ["tables" if offset_tables else "computed", tokens, f"{case.bytes_moved / 2**20:.0f}",
+            f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
             f"{100 * gbps / args.peak_gbps:.1f}%",
             "bit-exact" if exact else f"max abs diff {worst:.3g}"]
 

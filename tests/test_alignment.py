@@ -7,9 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from semshare_vllm.alignment import (AlignParams, DonorFeatures, EmbeddingTable,
-                                     EmbeddingUnavailable, LshParams, MatchKind,
-                                     SentenceSplitter, align, lsh_similarity)
+from semshare_vllm.alignment import (
+    AlignParams,
+    DonorFeatures,
+    EmbeddingTable,
+    EmbeddingUnavailable,
+    LshParams,
+    MatchKind,
+    SentenceSplitter,
+    align,
+    lsh_similarity,
+)
 from semshare_vllm.alignment.exact_runs import align_exact
 from semshare_vllm.alignment.lsh import lsh_codes, rope_rotate
 from semshare_vllm.config import SemShareConfig, SemShareConfigError
@@ -135,7 +143,7 @@ def test_sentence_stage_pairs_moved_and_reworded_sentences(tok, table, splitter)
     d_starts = splitter.starts(donor)
     t_starts = splitter.starts(target)
     hits = total = 0
-    for k, (a, b) in enumerate(zip(t_starts, np.r_[t_starts[1:], len(target)])):
+    for a, b in zip(t_starts, np.r_[t_starts[1:], len(target)]):
         src = np.searchsorted(d_starts, al.donor_pos[a:b][al.donor_pos[a:b] >= 0], "right") - 1
         if len(src):
             hits += np.bincount(src).max()

@@ -10,13 +10,13 @@ import threading
 import time
 
 import numpy as np
+from test_scheduler import finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.discovery.service import DiscoveryService
 from semshare_vllm.discovery.vector_index import VectorIndex
 from semshare_vllm.scheduler import SemShareScheduler
-from test_scheduler import finish, geometry, request
 
 VOCAB = 512
 
@@ -199,6 +199,7 @@ def test_shared_grams_decide_without_embedding():
 
 def test_embeddings_come_back_from_the_snapshot(tmp_path):
     import torch
+
     from semshare_vllm import donor_file
     from semshare_vllm.donor_index import donor_id_for
 

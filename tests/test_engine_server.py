@@ -54,7 +54,7 @@ def wait_for_files(persist_dir, n, srv, timeout_s=60):
 def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
     persist = tmp_path / "donors"
     with semshare_server(model, persist, tmp_path / "serve1.log") as srv:
-        for name, doc in DOCS.items():
+        for doc in DOCS.values():
             first = srv.complete(doc + Q1)
             assert first.cached_tokens == 0
         hit = srv.complete(DOCS["kept"] + Q2)

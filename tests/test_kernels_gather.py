@@ -60,7 +60,8 @@ def orders(kind):
     if kind == "cpu_token_major":
         return n * D + d, n * D + d
     g = torch.Generator().manual_seed(11)
-    return torch.randperm(N * D, generator=g).view(N, D), torch.randperm(N * D, generator=g).view(N, D)
+    return (torch.randperm(N * D, generator=g).view(N, D),
+            torch.randperm(N * D, generator=g).view(N, D))
 
 
 def target(kind, dtype, arrangement):

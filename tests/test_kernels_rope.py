@@ -101,7 +101,8 @@ def test_table_is_fp32_unit_rotation_even_for_bf16_yarn(vllm_config):
     table = RopeTable.from_vllm(rope)
     assert table.cos_sin.dtype == torch.float32
     cos, sin = table.cos_sin.split(table.half, dim=1)
-    assert torch.equal(cos[0], torch.ones(table.half)) and torch.equal(sin[0], torch.zeros(table.half))
+    assert torch.equal(cos[0], torch.ones(table.half))
+    assert torch.equal(sin[0], torch.zeros(table.half))
     torch.testing.assert_close(cos * cos + sin * sin, torch.ones_like(cos), rtol=0, atol=1e-6)
     # ...and it is the fp32 table, not the bf16 buffer (recomputed, then only divided by mscale)
     fp32_table = RopeTable.from_vllm(make_rope("yarn", torch.float32))

@@ -1,5 +1,6 @@
 """Both KV layouts: a token written through a view is read back, and lands where the backend's
-own reader expects it (packed: K|V in the last dim; CPU: where vLLM's CPU cache-write op puts it)."""
+own reader expects it (packed: K|V in the last dim; CPU: where vLLM's CPU cache-write op puts
+it)."""
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_unsupported_layouts_are_refused():
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
 @pytest.mark.parametrize("start, count", [(0, 96), (5, 100), (32, 32), (40, 10), (7, 150)])
 def test_range_io_equals_slot_io(backend, start, count):
-    """Whole blocks go the fast page-copy way, partial blocks slot by slot: same bytes either way."""
+    """Whole blocks go the fast page-copy way, partial blocks slot by slot: the same bytes."""
     from semshare_vllm.kv_layout import read_range, slots_for, write_range
 
     block_ids = [5, 2, 4, 0, 3, 1]  # a request's blocks, in position order

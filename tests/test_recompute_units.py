@@ -8,8 +8,15 @@ import pytest
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.recompute import model_hook
-from semshare_vllm.recompute.policy import (CacheBlend, Fixed, LayerProbe, SemShareKV,
-                                            always_recompute, hot_positions, make_selection)
+from semshare_vllm.recompute.policy import (
+    CacheBlend,
+    Fixed,
+    LayerProbe,
+    SemShareKV,
+    always_recompute,
+    hot_positions,
+    make_selection,
+)
 
 
 def probe(layer, positions, deviation=None, attention=None):

@@ -196,7 +196,7 @@ def test_a_record_waits_for_every_rank_and_is_dropped_if_its_kv_never_comes(redi
         b.close()
 
 
-# ---- trust: signatures, validation, KV digests ----------------------------------------------------
+# ---- trust: signatures, validation, KV digests ---------------------------------------------
 @pytest.fixture
 def client(redis):
     import redis as redis_py

@@ -39,7 +39,8 @@ def test_round_trip(tmp_path):
         got = loaded[(e.namespace, e.donor_id)]
         assert np.array_equal(got.embedding.vector, e.embedding.vector)
         assert np.array_equal(got.embedding.segments, e.embedding.segments)
-        assert got.fingerprint == e.fingerprint and got.embedding.num_tokens == e.embedding.num_tokens
+        assert got.fingerprint == e.fingerprint
+        assert got.embedding.num_tokens == e.embedding.num_tokens
         assert (got.hits, got.deviation_reports, got.demoted) == (e.hits, e.deviation_reports,
                                                                   e.demoted)
         assert got.deviation == e.deviation and got.idle_s == e.idle_s

@@ -166,7 +166,8 @@ class SemShareConnector(KVConnectorBase_V1):
         return half.stats.take()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
         return SemShareStats(data=dict(data)) if data is not None else SemShareStats()
 
     @classmethod

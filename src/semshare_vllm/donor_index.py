@@ -210,7 +210,8 @@ class DonorIndex:
 
     def longest_prefix(self, namespace: str, token_ids: Sequence[int],
                        hashes: Sequence[bytes] | None = None) -> PrefixMatch | None:
-        """The donor of ``namespace`` sharing the longest block-aligned prefix with ``token_ids``."""
+        """The donor of ``namespace`` sharing the longest block-aligned prefix with
+        ``token_ids``."""
         table = self._by_hash.get(namespace)
         if not table:
             return None

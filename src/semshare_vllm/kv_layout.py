@@ -250,7 +250,8 @@ def kv_view(kv_cache: torch.Tensor, backend: str, head_size: int,
             cpu_isa: str | None = None) -> KVView:
     """The (K, V) view of one layer's registered KV tensor for ``backend`` (vLLM's name)."""
     if kv_cache.dim() != 4:
-        raise UnsupportedKVLayout(f"expected a 4-D [B, H, N, C] KV tensor, got {tuple(kv_cache.shape)}")
+        raise UnsupportedKVLayout(
+            f"expected a 4-D [B, H, N, C] KV tensor, got {tuple(kv_cache.shape)}")
     if kv_cache.shape[3] != 2 * head_size:
         # MLA latent caches and NVFP4 head-group layouts do not split into per-token K and V.
         raise UnsupportedKVLayout(f"last dim {kv_cache.shape[3]} != 2 * head_size ({head_size})")

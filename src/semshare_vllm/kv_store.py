@@ -41,5 +41,5 @@ class DonorKVStore(ABC):
     def evict(self, key: DonorKey, token_ids: Sequence[int]) -> None:
         """Forget the donor (no error when it is not there)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: stores holding nothing need not)
         """Release what the store holds (threads, connections, memory)."""

@@ -23,8 +23,15 @@ from typing import Hashable
 
 import numpy as np
 
-from semshare_vllm.alignment import (AlignParams, Alignment, DonorFeatures, EmbeddingTable,
-                                     MatchKind, SentenceSplitter, align)
+from semshare_vllm.alignment import (
+    Alignment,
+    AlignParams,
+    DonorFeatures,
+    EmbeddingTable,
+    MatchKind,
+    SentenceSplitter,
+    align,
+)
 from semshare_vllm.recompute.policy import always_recompute
 
 logger = logging.getLogger("vllm.semshare.planner")
@@ -63,7 +70,8 @@ class Aligner:
     def __init__(self, params: AlignParams, model_path: str | None, tokenizer_path: str | None,
                  sketch_dim: int = -1):
         self.params = params
-        self._model_path, self._tokenizer_path, self._sketch = model_path, tokenizer_path, sketch_dim
+        self._model_path, self._tokenizer_path = model_path, tokenizer_path
+        self._sketch = sketch_dim
         self._loaded = False
         self._load_lock = threading.Lock()   # the table loads once, whichever thread asks first
         self._lock = threading.Lock()        # guards _kept

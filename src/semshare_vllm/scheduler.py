@@ -41,6 +41,7 @@ from semshare_vllm.donor_index import (
     block_hashes,
     donor_id_for,
 )
+from semshare_vllm.eviction import make_policy
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.identity import keyable, namespace_of, semantic_allowed
 from semshare_vllm.logs import warn_once
@@ -51,7 +52,6 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
-from semshare_vllm.eviction import make_policy
 from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.stats import StatsRecorder
@@ -717,7 +717,8 @@ class SemShareScheduler:
             partial.unlink(missing_ok=True)
             self.stats.add("persisted_incomplete")
         tp = self.geometry.tp_size
-        files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"),
+                       key=lambda p: p.stat().st_mtime)
         for path in files:
             try:
                 header = donor_file.read_header(path)

@@ -31,7 +31,7 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
-from semshare_vllm.kv_store import DonorKVStore
+from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange, stage_rows
 from semshare_vllm.kv_layout import (
     PageLayout,
     UnsupportedKVLayout,
@@ -40,6 +40,7 @@ from semshare_vllm.kv_layout import (
     slots_for,
     stack_layers,
 )
+from semshare_vllm.kv_store import DonorKVStore
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
@@ -49,7 +50,6 @@ from semshare_vllm.metadata import (
     SemShareWorkerMetadata,
 )
 from semshare_vllm.prompt_logprobs import mark_served_rows
-from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange, stage_rows
 from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.recompute.policy import make_selection
@@ -81,7 +81,8 @@ class SemShareWorker:
         # donor -> [its capture order, its pool blocks, the copy on the capture thread (None:
         # not started yet)]. These donors' pool blocks are never evicted.
         self._capturing: dict[DonorKey, list] = {}
-        self._capture_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-capture")
+        self._capture_thread = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="semshare-capture")
         self._invalid_blocks: set[int] = set()
         # requests whose load failed, until vLLM says they finished: never captured (their
         # blocks may hold KV nobody wrote, if they end before vLLM recomputes it)

@@ -150,7 +150,8 @@ class VectorIndex:
     # ---- search (discovery thread) ------------------------------------------------------------
     def search(self, namespace: str, vector: np.ndarray, k: int,
                threshold: float = -1.0) -> list[Candidate]:
-        """The ``k`` most similar donors of ``namespace`` with cosine >= ``threshold``, best first."""
+        """The ``k`` donors of ``namespace`` most similar with cosine >= ``threshold``, best
+        first."""
         q = np.asarray(vector, dtype=np.float32).reshape(1, self.dim)
         with self._lock:
             table = self._tables.get(namespace)
@@ -197,15 +198,15 @@ class VectorIndex:
         of all namespaces) that need one. Training runs outside the lock; rows added meanwhile
         are included."""
         built = 0
-        for namespace in [namespace] if namespace is not None else list(self._tables):
+        for ns in [namespace] if namespace is not None else list(self._tables):
             with self._lock:
-                table = self._tables.get(namespace)
+                table = self._tables.get(ns)
                 if table is None or not self._wants_ivf(table):
                     continue
                 sample = table.vectors[:len(table)].copy()
             index = self._trained_ivf(sample)
             with self._lock:
-                if self._tables.get(namespace) is not table:
+                if self._tables.get(ns) is not table:
                     continue
                 n = len(table)
                 index.add_with_ids(table.vectors[:n], table.ids[:n].copy())

@@ -74,7 +74,8 @@ def _convert_smollm2(out: Path) -> None:
 
 
 def smollm2() -> Path:
-    """Path of SmolLM2-135M-Instruct as HF safetensors (bf16 on disk; serve it in float32 on CPU)."""
+    """Path of SmolLM2-135M-Instruct as HF safetensors (bf16 on disk; serve it in float32 on
+    CPU)."""
     return _build_once("smollm2-135m-instruct", _convert_smollm2)
 
 
