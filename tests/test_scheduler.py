@@ -164,6 +164,20 @@ def test_a_fault_after_vllm_took_the_claim_has_the_worker_report_the_blocks_fail
     assert s.stats.totals["fallbacks"] == 1
 
 
+def test_a_fault_behind_a_local_prefix_hit_reports_the_claimed_blocks_not_the_shared_ones():
+    """vLLM calls update_state_after_alloc before it sets num_computed_tokens (0 then, for a
+    new request): the failed range is where the claim starts, after vLLM's own 64-token hit."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    donor = list(range(200))
+    finish(s, donor)
+    target = request("t", donor[:150] + [1, 2, 3])
+    assert s.get_num_new_matched_tokens(target, 64) == (64, False)
+    s.index = None
+    s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 64)
+    load = s.build_connector_meta(None).loads[0]
+    assert load.policy == "fail" and (load.dst_start, load.num_tokens) == (64, 64)
+
+
 def scoring_request(req_id, tokens, limit):
     r = request(req_id, tokens)
     r.kv_transfer_params = {"semshare_reuse_limit": limit} if limit is not None else None

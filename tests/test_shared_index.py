@@ -378,7 +378,7 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     def fetch(fetched, digests):
         worker = SemShareWorker.__new__(SemShareWorker)
         worker.store, worker.tier, worker.stats = Store(), Tier(fetched), StatsRecorder()
-        worker._capturing = {}
+        worker._capturing, worker._tier_digests = {}, {DonorKey("", did(1)): kv_digest(rows)}
         spec = LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0], donor_token_ids=list(range(40)),
                         donor_kv_digests=digests)
         try:
@@ -395,3 +395,18 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
         assert blocks is None and worker.store.held is None   # never enters the host store
         assert worker.stats.totals["tier_digest_mismatches"] == 1
         assert worker.stats.totals["tier_fetches"] == 0
+    # this instance's own donor, fetched back: checked against the digest this rank recorded
+    blocks, worker = fetch(rows, None)
+    assert blocks == [3, 4]
+    blocks, worker = fetch(tampered, None)
+    assert blocks is None and worker.stats.totals["tier_digest_mismatches"] == 1
+    blocks, worker = fetch(rows, None)
+    worker._tier_digests.clear()                     # nothing recorded: not used either
+    assert blocks == [3, 4]
+    worker.store = Store()
+    try:
+        worker._donor_blocks(LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0],
+                                      donor_token_ids=list(range(40))))
+        raise AssertionError("a donor with no digest to compare with was used")
+    except DonorUnavailable:
+        pass

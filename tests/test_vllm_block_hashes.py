@@ -95,3 +95,29 @@ def test_a_failed_load_leaves_nothing_in_vllms_prefix_cache_and_its_request_is_n
     # aborted before vLLM recomputed it: its KV is not taken as a donor
     target.num_computed_tokens = target.num_tokens - 1
     assert s.request_finished(target, [10, 11, 12, 13, 14]) == (False, None)
+
+
+def test_a_load_that_fails_after_its_request_finished_is_still_evicted():
+    """With async scheduling a request can finish (abort) between the step that loads it and
+    that step's output: the failure reported then still takes its blocks out of vLLM's cache."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    manager = Manager()
+    s.bind_kv_cache_manager(manager)
+    donor = list(range(200))
+    finish(s, donor)
+    s.build_connector_meta(None)
+    target = request("t", donor[:150] + [1, 2, 3])
+    assert s.get_num_new_matched_tokens(target, 0) == (128, False)
+    s.update_state_after_alloc(target, Blocks([20, 21, 22, 23, 24]), 128)
+    s.build_connector_meta(None)
+    target.num_computed_tokens = 128
+    s.request_finished(target, [20, 21, 22, 23, 24])       # aborted: vLLM frees the blocks
+    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
+                                              kv_connector_worker_meta=None,
+                                              invalid_block_ids={20}))
+    assert manager.evicted == {20, 21, 22, 23, 24}
+    for _ in range(5):                                       # and it is forgotten after
+        s.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                  kv_connector_worker_meta=None,
+                                                  invalid_block_ids=None))
+    assert not s._finished_loads

@@ -80,7 +80,8 @@ class SemShareConnector(KVConnectorBase_V1):
             aligner = None if discovery is None else Aligner(
                 AlignParams.from_config(self.config), vllm_config.model_config.model,
                 vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
-            feed = None if geometry.unsupported else shared_donor_feed(
+            # exact_only: no LMCache tier on the worker, so shared donors could not be fetched
+            feed = None if geometry.unsupported or geometry.exact_only else shared_donor_feed(
                 self.config, geometry, vllm_config.model_config.max_model_len)
             self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())

@@ -143,14 +143,14 @@ def stale_partials(root: Path) -> list[Path]:
     for path in root.glob(f"{_TMP_PREFIX}*{SUFFIX}"):
         pid, _, host = path.name[len(_TMP_PREFIX):].split("-", 1)[0].partition("@")
         try:
-            if host == here and pid.isdigit():
+            if host == here and pid.isdigit() and int(pid) < 2**31:
                 os.kill(int(pid), 0)
                 continue                          # its writer is alive
             if time.time() - path.stat().st_mtime < STALE_PARTIAL_S:
                 continue
         except ProcessLookupError:
             pass
-        except OSError:                           # EPERM: alive, another user's; or vanished
+        except (OSError, ValueError, OverflowError):   # EPERM: alive, another user's; vanished
             continue
         stale.append(path)
     return stale

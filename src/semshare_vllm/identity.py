@@ -44,9 +44,12 @@ def keyable(request) -> bool:
 
 
 def semantic_allowed(request) -> bool:
-    """Approximate (moved, RoPE-corrected) KV only for text: multimodal placeholders get other
-    positions (M-RoPE) in some models, so those requests reuse exact prefixes only."""
-    return not getattr(request, "mm_features", None)
+    """Approximate (moved, RoPE-corrected, repaired) KV only for plain text requests:
+    multimodal placeholders get other positions (M-RoPE) in some models, and the repair runs
+    the model's layers outside vLLM's batch (LoRA layers would apply the batch's adapters), so
+    multimodal and LoRA requests reuse exact prefixes only."""
+    return not getattr(request, "mm_features", None) and \
+        getattr(request, "lora_request", None) is None
 
 
 def tenant_of(namespace: str) -> str:

@@ -103,6 +103,10 @@ def wants_prompt_logprobs(request) -> bool:
     return getattr(params, "prompt_logprobs", None) is not None
 
 
+# Outputs after a request finished during which a failure of its load may still come back
+# (async scheduling has up to two steps in flight).
+FAILURE_REPORT_OUTPUTS = 3
+
 # How often (at most) the donors' embeddings are written beside their KV files.
 SNAPSHOT_INTERVAL_S = 30.0
 
@@ -155,6 +159,9 @@ class SemShareScheduler:
         # those computed after them, leave vLLM's prefix cache)
         self._loaded_blocks: dict[str, list[int]] = {}
         self._failed_loads: set[str] = set()            # never captured as donors
+        # loads of requests that finished before their step's output came back: their failure
+        # may still be reported (async scheduling) -> (blocks, outputs left to wait)
+        self._finished_loads: dict[str, tuple[list[int], int]] = {}
         self._kv_cache_manager = None                   # vLLM's, for evicting failed blocks
         self.recompute_ready = False                    # the worker said it can repair
         # req_id -> match offered this step: an exact prefix, or a semantic plan
@@ -507,6 +514,7 @@ class SemShareScheduler:
         return (end // bs) * bs
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        match = self._matches.get(request.request_id)
         try:
             self._after_alloc(request, blocks, num_external_tokens)
         except Exception:
@@ -514,15 +522,24 @@ class SemShareScheduler:
             # so that vLLM computes them; nothing else may come of a fault here.
             self._fault("load planning")
             if num_external_tokens:
+                # where the claim starts (vLLM sets num_computed_tokens only after this call);
+                # unknown: every block of the request is reported
+                if isinstance(match, SemanticPlan):
+                    start = match.start
+                elif isinstance(match, PrefixMatch):
+                    start = max(match.num_tokens - num_external_tokens, 0)
+                else:
+                    start, num_external_tokens = 0, request.num_tokens
                 block_ids = list(blocks.get_block_ids()[0])
                 self._loaded_blocks[request.request_id] = \
-                    block_ids[request.num_computed_tokens // self.geometry.block_size:]
+                    block_ids[start // self.geometry.block_size:]
                 self._loads.append(LoadSpec(
-                    req_id=request.request_id, key=DonorKey("", ""),
-                    src_start=0, dst_start=request.num_computed_tokens,
-                    num_tokens=num_external_tokens, block_ids=block_ids, policy="fail"))
+                    req_id=request.request_id, key=DonorKey("", ""), src_start=0,
+                    dst_start=start, num_tokens=num_external_tokens, block_ids=block_ids,
+                    policy="fail"))
 
     def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._loaded_blocks.pop(request.request_id, None)   # (re-allocated after preemption)
         scoring = self._scoring.pop(request.request_id, None) is not None
         if scoring:
             request.skip_reading_prefix_cache = True
@@ -585,7 +602,9 @@ class SemShareScheduler:
         self._looked_up.discard(request.request_id)
         self.found.pop(request.request_id, None)
         self._aligned.pop(request.request_id, None)
-        self._loaded_blocks.pop(request.request_id, None)
+        loaded = self._loaded_blocks.pop(request.request_id, None)
+        if loaded is not None:
+            self._finished_loads[request.request_id] = (loaded, FAILURE_REPORT_OUTPUTS)
         job = self._aligning.pop(request.request_id, None)
         if job is not None:
             job[0].cancel()
@@ -655,6 +674,11 @@ class SemShareScheduler:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             self._forget_failed_loads(invalid)
+        for req_id, (blocks, left) in list(self._finished_loads.items()):
+            if left <= 1:
+                del self._finished_loads[req_id]
+            else:
+                self._finished_loads[req_id] = (blocks, left - 1)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, SemShareWorkerMetadata) and meta.disabled and \
                 not self.geometry.unsupported:
@@ -683,11 +707,13 @@ class SemShareScheduler:
         first would leave never-written KV under its true hashes. Take the failed blocks, and
         every block computed after them from that KV, out of vLLM's prefix cache, and never
         capture the request."""
-        for req_id, blocks in self._loaded_blocks.items():
+        finished = ((r, blocks) for r, (blocks, _) in self._finished_loads.items())
+        for req_id, blocks in [*self._loaded_blocks.items(), *finished]:
             bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
             if bad is None:
                 continue
-            self._failed_loads.add(req_id)
+            if req_id in self._loaded_blocks:    # (a finished one is past capturing)
+                self._failed_loads.add(req_id)
             vllm_block_hashes.evict_cached(self._kv_cache_manager, blocks[bad:])
             self.stats.add("failed_blocks_uncached", len(blocks) - bad)
 
@@ -714,8 +740,11 @@ class SemShareScheduler:
         if not root.is_dir():
             return
         for partial in donor_file.stale_partials(root):   # a writer killed mid-write
-            partial.unlink(missing_ok=True)
-            self.stats.add("persisted_incomplete")
+            try:
+                partial.unlink(missing_ok=True)
+                self.stats.add("persisted_incomplete")
+            except OSError as exc:     # another user's file: left, never read
+                warn_once(logger, "partial", "SemShare: cannot remove %s: %s", partial, exc)
         tp = self.geometry.tp_size
         files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"),
                        key=lambda p: p.stat().st_mtime)

@@ -93,6 +93,9 @@ class SemShareWorker:
         self._tier_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
         self._tier_puts: list[Future] = []
         self._ready_marks = None     # shared_index.KVReadyMarks, with shared_index_url
+        # donor -> digest of the KV this rank put in the tier (a fetch back must match it: any
+        # client of LMCache's remote backend could have written other KV under its keys)
+        self._tier_digests: dict[DonorKey, str] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
@@ -171,6 +174,12 @@ class SemShareWorker:
         failed (vLLM computes those tokens); exact loads stay plain copies."""
         if self.config.recompute_policy == "none" or self.geometry.exact_only:
             return None    # quantised KV: the repair would ignore its scales (geometry.py)
+        if getattr(self._vllm_config, "lora_config", None) is not None:
+            # The model's LoRA layers apply the adapters of the batch vLLM is running, by
+            # position, not those of the request being repaired.
+            logger.warning("SemShare: selective recompute (and so semantic reuse) is off on "
+                           "this worker: LoRA is enabled; exact-prefix reuse stays on")
+            return None
         model = model_hook.loaded_model(self._vllm_config)
         try:
             if model is None:
@@ -238,6 +247,7 @@ class SemShareWorker:
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
         for key in meta.evictions:
             self._settle(key)
+            self._tier_digests.pop(key, None)
             if self.store is not None:
                 self.store.drop(key)
         for spec in meta.captures:
@@ -291,12 +301,14 @@ class SemShareWorker:
         """On the tier thread: milliseconds to a readable put, or None when it failed."""
         t0 = time.perf_counter()
         try:
-            kept = self.tier.put(key, token_ids, rows)
-            if kept and self._ready_marks is not None:
-                from semshare_vllm.shared_index import kv_digest
+            from semshare_vllm.shared_index import kv_digest
 
+            digest = kv_digest(rows, getattr(self.tier, "dtype", None))
+            kept = self.tier.put(key, token_ids, rows)
+            if kept:
+                self._tier_digests[key] = digest
+            if kept and self._ready_marks is not None:
                 # other instances may now load it, if what they fetch is what was put here
-                digest = kv_digest(rows, getattr(self.tier, "dtype", None))
                 kept = self._ready_marks.mark(key.donor_id, digest)
         except Exception as exc:
             warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
@@ -403,26 +415,35 @@ class SemShareWorker:
         if rows is None:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is in neither the host store "
                                    "nor LMCache")
-        if spec.donor_kv_digests is not None:   # another instance's: its rank signed this digest
-            import hmac
-
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            from semshare_vllm.shared_index import kv_digest
-
-            rank = get_tensor_model_parallel_rank()
-            expected = spec.donor_kv_digests[rank] if rank < len(spec.donor_kv_digests) else ""
-            got = kv_digest(rows, getattr(self.tier, "dtype", None))
-            if not hmac.compare_digest(got.encode(), str(expected).encode()):
-                self.stats.add("tier_digest_mismatches")
-                raise DonorUnavailable(f"donor {spec.key.donor_id}: the KV in LMCache is not "
-                                       "what its instance put (digest mismatch)")
+        self._check_digest(spec, rows)
         if not self.store.put(spec.key, spec.donor_token_ids, rows, self._capturing):
             raise DonorUnavailable(f"donor {spec.key.donor_id} does not fit the host store")
         self.stats.add("tier_fetches")
         self.stats.add("tier_fetched_tokens", len(spec.donor_token_ids))
         self.stats.add("tier_fetch_ms", (time.perf_counter() - t0) * 1e3)
         return self.store.blocks(spec.key, self._capturing)
+
+    def _check_digest(self, spec: LoadSpec, rows: torch.Tensor) -> None:
+        """KV fetched from the tier is used only if it is what was put: another instance's
+        donor, the digest its rank signed; this instance's, the digest this rank recorded when it
+        put it. No digest (nothing to compare with): not used."""
+        import hmac
+
+        from semshare_vllm.shared_index import kv_digest
+
+        if spec.donor_kv_digests is not None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            digests = spec.donor_kv_digests
+            expected = digests[rank] if rank < len(digests) else ""
+        else:
+            expected = self._tier_digests.get(spec.key, "")
+        got = kv_digest(rows, getattr(self.tier, "dtype", None))
+        if not hmac.compare_digest(got.encode(), str(expected).encode()):
+            self.stats.add("tier_digest_mismatches")
+            raise DonorUnavailable(f"donor {spec.key.donor_id}: the KV in LMCache is not what "
+                                   "was put there (digest mismatch)")
 
     def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
                       from_cache: bool) -> None:
