@@ -16,10 +16,10 @@ import torch
 from semshare_vllm.donor_index import donor_id_for
 from semshare_vllm.kv_layout import read_range, write_range
 from semshare_vllm.metadata import DonorKey
-from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
+from semshare_vllm.vllm_compat import model_hook
 
 pytestmark = pytest.mark.engine
 

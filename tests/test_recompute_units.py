@@ -1,13 +1,9 @@
-"""Recompute policies on hand-made probes, and the model hook on stand-in runner classes."""
-
-import sys
-import types
+"""Recompute policies on hand-made probes."""
 
 import numpy as np
 import pytest
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.policy import (
     CacheBlend,
     Fixed,
@@ -85,44 +81,3 @@ def test_make_selection_follows_the_config():
     with pytest.raises(ValueError):
         make_selection("none", loaded, np.array([]), cfg)
 
-
-# ---- the model hook ----------------------------------------------------------------------------
-class _Config:
-    def __init__(self, connector):
-        self.kv_transfer_config = None if connector is None else types.SimpleNamespace(
-            kv_connector=connector, kv_connector_module_path=None)
-
-
-def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(monkeypatch,
-                                                                               tmp_path):
-    module_name = "semshare_fake_runner_mod"
-    (tmp_path / f"{module_name}.py").write_text(
-        "class FakeRunner:\n"
-        "    def __init__(self, config):\n"
-        "        self.vllm_config = config\n"
-        "    def load_model(self):\n"
-        "        self.model = type('Model', (), {})()\n"
-        "        return 'loaded'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(model_hook, "RUNNERS", ((module_name, "FakeRunner"),))
-    monkeypatch.setattr(model_hook, "_models", __import__("weakref").WeakValueDictionary())
-    monkeypatch.setattr(model_hook, "_installed", [])
-    monkeypatch.setattr(model_hook, "_PENDING", set())
-    finders = list(sys.meta_path)
-    try:
-        model_hook.install()                      # the module is not imported yet
-        assert module_name not in sys.modules
-        mod = __import__(module_name)              # ...wrapped as it is imported
-        assert model_hook.installed() == [f"{module_name}.FakeRunner"]
-        other = mod.FakeRunner(_Config("SomeOtherConnector"))
-        assert other.load_model() == "loaded"     # the original still runs
-        assert model_hook.loaded_model(other.vllm_config) is None
-        ours = mod.FakeRunner(_Config("SemShareConnector"))
-        ours.load_model()
-        assert model_hook.loaded_model(ours.vllm_config) is ours.model
-        model_hook.install()                      # twice: no double wrap
-        assert mod.FakeRunner.load_model.__wrapped__.__name__ == "load_model"
-        assert not getattr(mod.FakeRunner.load_model.__wrapped__, "_semshare_wrapped", False)
-    finally:
-        sys.meta_path[:] = finders
-        sys.modules.pop(module_name, None)

@@ -218,20 +218,6 @@ def test_prompt_logprobs_requests_are_served_only_up_to_their_reuse_limit():
     assert s.get_num_new_matched_tokens(short, 0) == (160, False)
 
 
-def test_marked_rows_hold_the_prompt_tokens_with_rank_zero():
-    from semshare_vllm.prompt_logprobs import mark_served_rows
-
-    state = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8, 9], in_progress_prompt_logprobs_cpu=None)
-    runner = SimpleNamespace(requests={"r": state}, num_prompt_logprobs={"r": 2})
-    assert mark_served_rows(runner, "r", 3)
-    rows = state.in_progress_prompt_logprobs_cpu
-    assert rows.logprobs.shape == (4, 3)
-    assert rows.logprob_token_ids[:3].tolist() == [[6] * 3, [7] * 3, [8] * 3]
-    assert rows.logprobs[:3].eq(0).all() and rows.selected_token_ranks[:3].tolist() == [0, 0, 0]
-    assert not mark_served_rows(runner, "other", 3)
-    assert not mark_served_rows(SimpleNamespace(), "r", 3)
-
-
 class FakeFeed:
     """Stands in for ``SharedDonorFeed`` (its own tests run on a real redis-server)."""
 

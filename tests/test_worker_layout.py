@@ -99,7 +99,7 @@ def test_disabled_ranks_disable_all():
 def test_exact_only_kv_builds_no_layer_runner(monkeypatch):
     """Quantised (fp8) KV: exact page copies only; the runner is never built, and the scheduler
     hears the worker cannot repair approximate KV."""
-    from semshare_vllm.recompute import model_hook
+    from semshare_vllm.vllm_compat import model_hook
 
     def no_model(_):
         raise AssertionError("the layer runner must not be built for quantised KV")

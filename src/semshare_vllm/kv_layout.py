@@ -29,6 +29,8 @@ from typing import Protocol
 
 import torch
 
+from semshare_vllm.vllm_compat import cpu_attention
+
 # Backends with K and V packed in the last dim of each token.
 _PACKED_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER",
                               "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"})
@@ -219,19 +221,16 @@ def calibrate_cpu_pages(block_size: int, head_size: int, dtype: torch.dtype,
     Two writes of one block through ``cpu_attn_reshape_and_cache``: one with every element set to
     its token index n, one set to its dim index d (both exact in bf16 up to 256).
     """
-    from vllm import _custom_ops as ops
-
     if max(block_size, head_size) > 256:
         raise UnsupportedKVLayout("calibration needs block_size and head_size <= 256")
     n_idx = torch.arange(block_size).view(block_size, 1, 1).expand(block_size, 1, head_size)
     d_idx = torch.arange(head_size).view(1, 1, head_size).expand(block_size, 1, head_size)
     found = []
     for fill in (n_idx, d_idx):
-        page = torch.full((1, 1, 2 * block_size, head_size), -1.0, dtype=dtype)
-        key_cache, value_cache = page.chunk(2, dim=2)
+        page = torch.full((1, 1, block_size, 2 * head_size), -1.0, dtype=dtype)  # one block
         src = fill.to(dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(src, src.clone(), key_cache, value_cache,
-                                       torch.arange(block_size, dtype=torch.long), isa)
+        cpu_attention.write_kv(page, src, src.clone(), torch.arange(block_size, dtype=torch.long),
+                               isa)
         found.append(page.view(2, block_size * head_size).float())
     positions = []
     for region in range(2):

@@ -1,27 +1,16 @@
 """``vllm.general_plugins`` entry point: vLLM calls ``register()`` in every process it starts.
 
-It registers the connector by name, so ``{"kv_connector": "SemShareConnector"}`` works without
-``kv_connector_module_path``, and installs the model hook (``recompute/model_hook.py``) that lets
-the worker reach the loaded model. It must stay cheap and never raise: a plugin error would stop
-vLLM.
+It registers the connector by name (``vllm_compat/connector_registry.py``), so
+``{"kv_connector": "SemShareConnector"}`` works without ``kv_connector_module_path``, and installs
+the model hook (``vllm_compat/model_hook.py``) that lets the worker reach the loaded model. It
+must stay cheap and never raise: a plugin error would stop vLLM.
 """
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("vllm.semshare.plugin")
+from semshare_vllm.vllm_compat import connector_registry, model_hook
 
 
 def register() -> None:
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        if "SemShareConnector" not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(
-                "SemShareConnector", "semshare_vllm.connector", "SemShareConnector")
-    except Exception:  # an incompatible vLLM: the module path still works
-        logger.warning("SemShare: could not register the connector by name", exc_info=True)
-    from semshare_vllm.recompute import model_hook
-
+    connector_registry.register_connector()
     model_hook.install()

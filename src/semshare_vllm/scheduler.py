@@ -56,6 +56,7 @@ from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
+from semshare_vllm.vllm_compat import prefix_cache_flags
 
 logger = logging.getLogger("vllm.semshare.scheduler")
 
@@ -404,7 +405,7 @@ class SemShareScheduler:
         mode = reuse_mode(request)
         if mode != "auto" and request.request_id not in self._looked_up:
             self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
-        scoring = getattr(request, "skip_reading_prefix_cache", False)
+        scoring = prefix_cache_flags.wants_cache_skip(request)
         if scoring and not (wants_prompt_logprobs(request) and reuse_limit(request) is not None):
             mode = "off"      # vLLM would drop the claim (prompt logprobs, pooling): no lookup
         if mode == "off":
@@ -416,7 +417,7 @@ class SemShareScheduler:
             # flag for this step, and have the worker mark the rows it serves. It is set back once
             # a claim is allocated, or at the end of the step, so that vLLM's own prefix cache
             # (looked up before us) never serves such a request.
-            request.skip_reading_prefix_cache = False
+            prefix_cache_flags.allow_connector_claim(request)
             self._scoring[request.request_id] = request
         if request.request_id not in self._looked_up:  # vLLM re-asks while it cannot schedule
             self._looked_up.add(request.request_id)
@@ -542,7 +543,7 @@ class SemShareScheduler:
         self._loaded_blocks.pop(request.request_id, None)   # (re-allocated after preemption)
         scoring = self._scoring.pop(request.request_id, None) is not None
         if scoring:
-            request.skip_reading_prefix_cache = True
+            prefix_cache_flags.restore_cache_skip(request)
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
             return
@@ -590,7 +591,7 @@ class SemShareScheduler:
         self._evictions, self._captures, self._loads = [], [], []
         self._matches.clear()
         for request in self._scoring.values():    # offered, not allocated this step
-            request.skip_reading_prefix_cache = True
+            prefix_cache_flags.restore_cache_skip(request)
         self._scoring.clear()
         self._absorb_embeddings()
         self._absorb_shared()

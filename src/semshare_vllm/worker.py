@@ -49,11 +49,12 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
-from semshare_vllm.prompt_logprobs import mark_served_rows
-from semshare_vllm.recompute import model_hook
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.recompute.policy import make_selection
 from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat.attention_layers import AttentionLayer, attention_layers
+from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
 
 logger = logging.getLogger("vllm.semshare.worker")
 
@@ -100,15 +101,12 @@ class SemShareWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
             return
-        forward_ctx = self._vllm_config.compilation_config.static_forward_context
         try:
             layouts = set()
+            layers = attention_layers(self._vllm_config, self.geometry.layer_names)
             for name in self.geometry.layer_names:
-                layer = forward_ctx.get(name)
-                backend = layer.attn_backend.get_name() if layer is not None else "?"
-                isa = getattr(layer, "isa", None) or getattr(getattr(layer, "impl", None),
-                                                             "isa", None)
-                layout = PageLayout(backend, self.geometry.head_size, isa)
+                layer = layers[name]
+                layout = PageLayout(layer.backend, self.geometry.head_size, layer.cpu_isa)
                 self._check_block_size(name, kv_caches[name], layer)
                 if self.geometry.exact_only:
                     _check_whole_pages(kv_caches[name], self.geometry.head_size)
@@ -133,7 +131,7 @@ class SemShareWorker:
         self._capacity_report = self.store.capacity_bytes
         self._ready_report = self.runner is not None
 
-    def _check_block_size(self, name: str, cache: torch.Tensor, layer) -> None:
+    def _check_block_size(self, name: str, cache: torch.Tensor, layer: AttentionLayer) -> None:
         """Loads, captures and the recompute address ``block_id * block_size + offset`` in the
         scheduler's blocks. A backend that splits them into smaller kernel blocks (vLLM's
         ``kernel_block_size``, ``map_kv_caches_to_kernel_blocks``) has other block ids and page
@@ -150,23 +148,15 @@ class SemShareWorker:
 
         if cache.dim() == 4 and cache.shape[2] != bs:
             refuse("the registered KV tensor", cache.shape[2])
-        bound = getattr(layer, "kv_cache", None)
-        bound = [t for t in (bound if isinstance(bound, (list, tuple)) else [bound])
-                 if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()]
-        for t in bound:
+        for t in layer.kv_cache_views:
             if t.shape[2] != bs:
                 refuse("the attention layer's KV view", t.shape[2])
-        if bound:
+        sizes = layer.kernel_block_sizes
+        if layer.kv_cache_views or sizes is None:   # (None: nothing more to check)
             return
-        backend = getattr(layer, "attn_backend", None)
-        try:
-            sizes = list(backend.get_supported_kernel_block_sizes())
-        except Exception:   # not reachable without the layer's spec: nothing more to check
-            return
-        ok = [s == bs if isinstance(s, int) else bs % getattr(s, "base", 1) == 0 for s in sizes]
-        if sizes and not any(ok):
-            fixed = [s for s in sizes if isinstance(s, int) and bs % s == 0]
-            refuse(f"backend {backend.get_name()}", max(fixed) if fixed else None)
+        if not sizes.accepts(bs):
+            fixed = [s for s in sizes.fixed if bs % s == 0]
+            refuse(f"backend {layer.backend}", max(fixed) if fixed else None)
 
     def _make_runner(self, kv_caches: dict[str, torch.Tensor]) -> LayerRunner | None:
         """The layer runner over the model the plugin hook recorded, when recompute is on. Any

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from semshare_vllm.kv_layout import KVView, PageLayout, read_range, slots_for
 from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
+from semshare_vllm.vllm_compat import cpu_attention
 
 # Causal LMs with the Llama decoder structure (model.model.layers[i].self_attn.attn).
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
@@ -151,29 +152,9 @@ def _is_tail(positions: torch.Tensor, context: int) -> bool:
 def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, context) -> torch.Tensor:
     """CPU_ATTN layouts, queries = the context's last tokens: vLLM's own ops write K/V and
     attend (2-3x faster than SDPA over gathered K/V at 2K tokens), exactly as a prefill does."""
-    from vllm import _custom_ops as ops
-
-    cache = lay.cache
-    num_blocks, num_kv_heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size,
-                                        -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
-                                   slots, lay.cpu_isa)
-    q_len = q.shape[0]
-    starts = torch.tensor([0, q_len], dtype=torch.int32)
-    seq_lens = torch.tensor([context], dtype=torch.int32)
-    table = torch.tensor([block_ids[:-(-context // block_size)]], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=lay.num_heads, num_kv_heads=num_kv_heads,
-        head_dim=lay.head_size, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa=lay.cpu_isa, enable_kv_split=False)
-    out = torch.empty_like(q)
-    ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=starts, seq_lens=seq_lens, scale=lay.scale, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
-    return out
+    cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
+    return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale,
+                                           lay.cpu_isa)
 
 
 def tail_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, first: int,

@@ -7,6 +7,14 @@ still ask for both through ``kv_transfer_params`` ``{"semshare_reuse_limit": N}`
 continuation after a reused prompt): the rows of the positions we served then get a marker, never
 uninitialised memory. A marked row holds the prompt's own next token with logprob 0.0 and rank 0,
 a rank vLLM never gives (its ranks start at 1).
+
+Touches the V1 model runner's per-request state: ``runner.requests[req_id]`` (a
+``CachedRequestState``: ``prompt_token_ids``, ``in_progress_prompt_logprobs_cpu``),
+``runner.num_prompt_logprobs`` and ``vllm.v1.outputs.LogprobsTensors.empty_cpu``, as
+``GPUModelRunner._get_prompt_logprobs_dict`` uses them (``CPUModelRunner`` inherits it).
+Written against vLLM 0.32's V1 runners. 0.33's V2 GPU runner (its GPU default) keeps prompt
+logprobs elsewhere (``prompt_logprobs_worker``): there nothing is marked, the load is reported
+failed, and vLLM computes and scores the whole prompt.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ for this process. vLLM creates the worker-side connector after loading the model
 ``register_kv_caches`` the model is there (``loaded_model``). Nothing of vLLM's is edited on
 disk and no stack is inspected. If the worker finds no model recorded (a runner we do not
 know), it says so once and recompute is off (reuse stays exact-prefix).
+
+Touches the model runner classes (``load_model``, and the runner's ``vllm_config`` and ``model``
+attributes after it), by module path (``RUNNERS``). Written against vLLM 0.32 (CPU: V1
+``CPUModelRunner``); 0.33's source has the same four paths. The plugin entry point
+(``semshare_vllm.plugin``) calls ``install()``.
 """
 
 from __future__ import annotations
