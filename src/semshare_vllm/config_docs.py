@@ -1,8 +1,8 @@
 """docs/configuration.md, generated from ``SemShareConfig``: every key's default, allowed values
 and doc text come from its field in ``config.py`` (the one place they are written).
 
-``python -m semshare_vllm.config_docs`` rewrites the page; ``tests/test_config_docs.py`` fails
-when the committed page and ``render()`` differ.
+``python -m semshare_vllm.config_docs`` rewrites the page;
+``tests/unit/config/test_config_docs.py`` fails when the committed page and ``render()`` differ.
 """
 
 from __future__ import annotations

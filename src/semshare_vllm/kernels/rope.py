@@ -23,8 +23,8 @@ import torch
 from .dispatch import use_triton
 
 # vLLM rotary classes verified to be "one position -> one angle table, rotary dims first"
-# (tests/test_kernels_rope.py checks each against the module's own forward). Anything else
-# (mrope variants with 3-D positions, Phi3 LongRoPE's two tables, dual-chunk, Gemma4's
+# (tests/unit/kernels/test_kernels_rope.py checks each against the module's own forward).
+# Anything else (mrope variants with 3-D positions, Phi3 LongRoPE's two tables, dual-chunk, Gemma4's
 # proportional rope, Fourier rope, DeepSeek-V4 with rotary dims last, ...) is refused.
 SUPPORTED_ROPE_CLASSES = frozenset({
     "RotaryEmbedding",

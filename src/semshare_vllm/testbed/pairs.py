@@ -16,7 +16,8 @@ the real corpora of ``testbed.text`` (Wikipedia lead extracts, the Lee news corp
 Everything is drawn with a seeded ``random.Random``: the same arguments give the same pairs.
 ``evaluate`` runs the real embedder and the real ``VectorIndex`` over them (all donors in one
 namespace, as a single tenant's server would hold them); the benchmark
-``benchmarks/discovery_quality.py`` and ``tests/test_discovery_quality.py`` share it.
+``benchmarks/discovery_quality.py`` and ``tests/unit/discovery/test_discovery_quality.py`` share
+it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A GPU machine lent for a kernel check has torch and Triton but no vLLM (and the 
 does not load there), so the tables are built on this machine, saved, and loaded there:
 
     python -m semshare_vllm.testbed.rope_tables OUT.pt   # here, with vLLM
-    SEMSHARE_TEST_ROPE_TABLES=OUT.pt pytest tests/test_kernels_triton.py   # there
+    SEMSHARE_TEST_ROPE_TABLES=OUT.pt pytest tests/unit/kernels/test_kernels_triton.py   # there
 """
 
 from __future__ import annotations

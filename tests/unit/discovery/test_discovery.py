@@ -10,7 +10,7 @@ import threading
 import time
 
 import numpy as np
-from test_scheduler import finish, geometry, request
+from support.scheduler import finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.embedder import DocumentEmbedding

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed import offline
 from semshare_vllm.testbed.text import wiki_document
 
 pytestmark = pytest.mark.engine
@@ -16,18 +16,6 @@ MAX_TOKENS = 8
 HEAD_A = "Read the article below and answer the question after it.\n\n"
 HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
           "all of it before you answer, and answer in one short sentence.\n\n")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return str(models.smollm2())
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,11 @@ control."""
 
 import types
 
-import numpy as np
+from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment import AlignParams, align
 from semshare_vllm.planner import Aligner, coverage, plan_claim
 from semshare_vllm.scheduler import reuse_mode
-
-
-def tokens(n, seed):
-    return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
 
 
 def test_aligner_picks_the_donor_covering_most_of_the_claim():

@@ -2,15 +2,12 @@
 
 import numpy as np
 import pytest
+from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment.exact_runs import align_exact, find_runs
 from semshare_vllm.alignment.result import MatchKind, Run
 
 RNG = np.random.default_rng(0)
-
-
-def tokens(n, seed):
-    return list(np.random.default_rng(seed).integers(1000, 40000, n))
 
 
 def check_exact(al, target, donor):

@@ -1,33 +1,16 @@
 """The discovery snapshot: round trip, foreign or corrupt files ignored, and a writer killed with
 SIGKILL mid-write never leaves a broken snapshot."""
 
-import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+from support.snapshot import entries
 
-from semshare_vllm.discovery.embedder import DocumentEmbedding
-from semshare_vllm.discovery.snapshot import (
-    FILENAME,
-    SnapshotEntry,
-    load_snapshot,
-    write_snapshot,
-)
-
-
-def entries(n, dim=384, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        segs = rng.standard_normal((1 + i % 3, dim)).astype(np.float32)
-        vec = segs.mean(0) / np.linalg.norm(segs.mean(0))
-        out.append(SnapshotEntry(f"ns{i % 2}", f"donor{i}", DocumentEmbedding(vec, segs, 100 + i),
-                                 (2**64 - 1) - i, hits=i, idle_s=1.5 * i, deviation_reports=i % 4,
-                                 deviation=0.1 * (i % 4), demoted=i == 3))
-    return out
+from semshare_vllm.discovery.snapshot import FILENAME, load_snapshot, write_snapshot
 
 
 def test_round_trip(tmp_path):
@@ -55,10 +38,11 @@ def test_another_embedder_or_a_corrupt_file_is_ignored(tmp_path):
     assert load_snapshot(tmp_path / "absent", "emb-1") == {}
 
 
+TESTS = str(Path(__file__).resolve().parents[2])  # tests/, where support/ is
 WRITER = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_snapshot import entries
+from support.snapshot import entries
 from semshare_vllm.discovery.snapshot import write_snapshot
 n = 1
 while True:  # ever larger snapshots, as fast as possible, until killed
@@ -69,7 +53,7 @@ while True:  # ever larger snapshots, as fast as possible, until killed
 
 
 def test_kill_9_during_writes_leaves_a_whole_snapshot(tmp_path):
-    script = WRITER.format(tests=os.path.dirname(__file__), dir=str(tmp_path))
+    script = WRITER.format(tests=TESTS, dir=str(tmp_path))
     rng = np.random.default_rng(0)
     for round_ in range(6):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -26,13 +26,6 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-@pytest.fixture(scope="module")
 def cases(tok):
     """Per named case: prompt A (doc + question 1) and B (same doc + question 2), as token ids."""
     def ids(text):

@@ -3,44 +3,13 @@
 from types import SimpleNamespace
 
 import torch
+from support.scheduler import LAYERS, Blocks, finish, geometry, request
 
 from semshare_vllm import donor_file
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.donor_index import donor_id_for
-from semshare_vllm.geometry import KVGeometry
 from semshare_vllm.metadata import DonorKey, SemShareWorkerMetadata
 from semshare_vllm.scheduler import SemShareScheduler
-
-BS = 32
-LAYERS = ("l0", "l1")
-
-
-def geometry(**kw):
-    base = dict(layer_names=LAYERS, block_size=BS, num_kv_heads=2, head_size=8,
-                dtype=torch.float32, tp_size=1, fingerprint="fp")
-    base.update(kw)
-    return KVGeometry(**base)
-
-
-def request(req_id, tokens, salt=None, computed=0, outputs=()):
-    all_ids = list(tokens) + list(outputs)
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), all_token_ids=all_ids,
-                           num_tokens=len(all_ids), num_prompt_tokens=len(tokens),
-                           cache_salt=salt, num_computed_tokens=computed)
-
-
-class Blocks:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def get_block_ids(self):
-        return (self.ids,)
-
-
-def finish(s, tokens, salt=None, outputs=(7, 8)):
-    r = request("done", tokens, salt, outputs=outputs)
-    r.num_computed_tokens = r.num_tokens - 1
-    return s.request_finished(r, list(range(100, 100 + r.num_tokens // BS + 1)))
 
 
 def test_capture_then_claim_whole_blocks_leaving_one_token():

@@ -5,7 +5,7 @@ scheduler takes failed loads' blocks out of vLLM's prefix cache."""
 from types import SimpleNamespace
 
 import pytest
-from test_scheduler import BS, Blocks, finish, geometry, request
+from support.scheduler import BS, Blocks, finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.scheduler import SemShareScheduler

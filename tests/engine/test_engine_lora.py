@@ -18,11 +18,6 @@ HEAD = "Read the article below and answer the question after it.\n\n"
 
 
 @pytest.fixture(scope="module")
-def model():
-    return str(models.smollm2())
-
-
-@pytest.fixture(scope="module")
 def adapter(model, tmp_path_factory):
     """A random rank-8 LoRA adapter (PEFT format), strong enough to change the answers."""
     import torch

@@ -4,7 +4,7 @@ Hand-built requests, no engine (the engine checks are in test_engine_trust.py)."
 
 from types import SimpleNamespace
 
-from test_scheduler import BS, Blocks, geometry, request
+from support.scheduler import BS, Blocks, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.identity import keyable, namespace_of, semantic_allowed, tenant_of

@@ -7,7 +7,7 @@ import pytest
 
 from semshare_vllm.donor_index import donor_id_for
 from semshare_vllm.metadata import DonorKey
-from semshare_vllm.testbed import models, offline
+from semshare_vllm.testbed import offline
 from semshare_vllm.testbed.text import wiki_document
 
 pytestmark = pytest.mark.engine
@@ -19,18 +19,6 @@ HEAD_B = ("You are a careful assistant. The following text comes from an encyclo
           "all of it before you answer, and answer in one short sentence.\n\n")
 Q1 = "\n\nQuestion: What is this article about? Answer:"
 Q2 = "\n\nQuestion: Who or what is the subject? Answer:"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return str(models.smollm2())
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 @pytest.fixture(scope="module")

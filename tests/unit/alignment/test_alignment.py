@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from support.tokens import random_ids as tokens
 
 from semshare_vllm.alignment import (
     AlignParams,
@@ -25,10 +26,6 @@ from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.models import smollm2
 
 EDIT_ONLY = AlignParams(stages=("exact", "edit"))
-
-
-def tokens(n, seed):
-    return np.random.default_rng(seed).integers(1000, 40000, n)
 
 
 @pytest.fixture(scope="module")

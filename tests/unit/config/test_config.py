@@ -65,6 +65,6 @@ def test_the_shared_index_secret_comes_from_the_environment_and_is_never_shown()
 
 def test_the_configuration_page_documents_every_key():
     # generated from the fields (semshare_vllm.config_docs; kept current by test_config_docs.py)
-    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).parents[3] / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(SemShareConfig):
         assert f"`{f.name}`" in page, f"docs/configuration.md does not document {f.name}"

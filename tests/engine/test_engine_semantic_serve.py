@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from semshare_vllm.testbed import models
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.scoring import rouge_l
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
@@ -20,13 +19,6 @@ ARGS = ["--block-size", "32", "--max-num-seqs", "16", "--enable-prompt-tokens-de
 HEAD_A = "Read the article below and answer the question after it.\n\n"
 HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
           "all of it before you answer, and answer in one short sentence.\n\n")
-
-
-
-
-@pytest.fixture(scope="module")
-def model():
-    return str(models.smollm2())
 
 
 @pytest.fixture(scope="module")

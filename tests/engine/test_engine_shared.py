@@ -7,7 +7,6 @@ back."""
 
 import pytest
 
-from semshare_vllm.testbed import models
 from semshare_vllm.testbed.redis_server import RedisServer
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 from semshare_vllm.testbed.text import wiki_document
@@ -20,11 +19,6 @@ DOCS = {name: wiki_document(start, 900) for name, start in
         [("shared", 300), ("unseen", 700), ("outage", 1100), ("after", 1500), ("forged", 1900)]}
 ARGS = ["--block-size", "32", "--max-num-seqs", "4"]
 SECRET = "engine-test-secret"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return str(models.smollm2())
 
 
 @pytest.fixture(scope="module")
