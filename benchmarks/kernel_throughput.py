@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
-from semshare_vllm.kv_layout import PageLayout
+from semshare_vllm.layout.kv_layout import PageLayout
 from semshare_vllm.testbed import rope_tables
 
 

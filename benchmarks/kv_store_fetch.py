@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from semshare_vllm.host_store import HostKVStore
-from semshare_vllm.kv_layout import PageLayout
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.layout.kv_layout import PageLayout
+from semshare_vllm.store.host_store import HostKVStore
 
 L, H, D, BS = 30, 3, 64, 32
 
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--runs", type=int, default=7)
     args = p.parse_args()
-    from semshare_vllm.lmcache_store import LMCacheKVStore
+    from semshare_vllm.store.lmcache_store import LMCacheKVStore
     from semshare_vllm.testbed.redis_server import RedisServer
 
     need = max(args.tokens) * L * H * 2 * D * 4 * 3

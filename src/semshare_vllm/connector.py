@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from semshare_vllm.alignment import AlignParams
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.service import build_discovery
-from semshare_vllm.geometry import kv_geometry
+from semshare_vllm.layout.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
 from semshare_vllm.planner import Aligner
 from semshare_vllm.scheduler import SemShareScheduler
@@ -43,7 +43,7 @@ def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None =
     if not config.shared_index_url:
         return None
     try:
-        from semshare_vllm.shared_index import MAX_TOKENS, SharedDonorFeed
+        from semshare_vllm.catalog.shared_index import MAX_TOKENS, SharedDonorFeed
 
         return SharedDonorFeed(config.shared_index_url, geometry.fingerprint,
                                secret=config.shared_index_secret, tp_size=geometry.tp_size,
@@ -100,7 +100,7 @@ class SemShareConnector(KVConnectorBase_V1):
         # Called while the engine core sets up the KV cache, before any request: validate there
         # too, for backends where the CUDA-graph hook above is not consulted (CPU, eager).
         SemShareConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        return None  # every layout has a KV view (kv_layout.py)
+        return None  # every layout has a KV view (layout/kv_layout.py)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -2,7 +2,8 @@
 
 Scheduler -> worker: ``SemShareConnectorMetadata`` (built once per step; pickled to worker
 processes, so plain lists only). Worker -> scheduler: ``SemShareWorkerMetadata`` (through vLLM's
-``build_connector_worker_meta`` back-channel).
+``build_connector_worker_meta`` back-channel). The donor key they carry is
+``core.keys.DonorKey``, which the catalog and the stores use without vLLM.
 """
 
 from __future__ import annotations
@@ -14,13 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-
-@dataclass(frozen=True)
-class DonorKey:
-    """A donor is addressed by its namespace (the requests' ``cache_salt``, "" when none) and id."""
-
-    namespace: str
-    donor_id: str
+from semshare_vllm.core.keys import DonorKey
 
 
 @dataclass
@@ -62,8 +57,9 @@ class LoadSpec:
     # that is not (or no longer) in this worker's host store.
     donor_token_ids: list[int] | None = None
     # Another instance's donor (shared index): per tensor-parallel rank, the digest of the KV
-    # shard it put (``shared_index.kv_digest``, signed by that rank); a fetch from the tier that
-    # does not match this worker's rank's digest is refused (the load fails, vLLM computes).
+    # shard it put (``catalog.shared_index.kv_digest``, signed by that rank); a fetch from the
+    # tier that does not match this worker's rank's digest is refused (the load fails, vLLM
+    # computes).
     donor_kv_digests: list[str] | None = None
 
 

@@ -15,9 +15,9 @@ Capture: when a request finishes, keep its blocks (``delay_free``) until the wor
 its KV into the host store and reported the request in ``finished_sending``.
 
 Across instances (``shared_index_url``): each donor captured here is announced on the shared
-index (``shared_index.py``) with its embedding, from the discovery thread once it is embedded;
-the donors other instances announce (once their KV is readable) join this catalog, and are
-loaded through the LMCache tier on first use.
+index (``catalog/shared_index.py``) with its embedding, from the discovery thread once it is
+embedded; the donors other instances announce (once their KV is readable) join this catalog, and
+are loaded through the LMCache tier on first use.
 """
 
 from __future__ import annotations
@@ -28,33 +28,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from semshare_vllm import donor_file
 from semshare_vllm.alignment import Alignment
+from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord, PrefixMatch
+from semshare_vllm.catalog.eviction import make_policy
+from semshare_vllm.catalog.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed
+from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.discovery.service import DiscoveryService, Lookup
 from semshare_vllm.discovery.snapshot import SnapshotEntry, load_snapshot, write_snapshot
 from semshare_vllm.discovery.vector_index import Candidate
-from semshare_vllm.donor_index import (
-    DonorIndex,
-    DonorRecord,
-    PrefixMatch,
-    block_hashes,
-    donor_id_for,
-)
-from semshare_vllm.eviction import make_policy
-from semshare_vllm.geometry import KVGeometry
-from semshare_vllm.identity import keyable, namespace_of, semantic_allowed
+from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
-    DonorKey,
     LoadSpec,
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
 from semshare_vllm.planner import Aligner, SemanticPlan, coverage, plan_claim
-from semshare_vllm.shared_index import SharedDonor, SharedDonorFeed
 from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.store import donor_file
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 from semshare_vllm.vllm_compat import prefix_cache_flags
 

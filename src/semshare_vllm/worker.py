@@ -9,9 +9,9 @@ is reported in ``finished_sending`` when its copy is done, which frees its block
 
 With an LMCache tier (``kv_tier`` "lmcache"), each captured donor is also put there, on a thread
 of its own (it may wait for a remote backend); with a shared index, that thread then marks the
-donor's shard readable for other instances (``shared_index.KVReadyMarks``). A load whose donor
-is not in the host store (another instance's donor, or one the pool let go) fetches it from the
-tier into the host store first, then goes on as usual.
+donor's shard readable for other instances (``catalog.shared_index.KVReadyMarks``). A load whose
+donor is not in the host store (another instance's donor, or one the pool let go) fetches it from
+the tier into the host store first, then goes on as usual.
 
 Nothing here may fail a request: a failed capture frees the blocks anyway and reports the donor
 bad; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.geometry import KVGeometry
-from semshare_vllm.host_store import DonorUnavailable, HostKVStore, fit_to_memory
+from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange, stage_rows
-from semshare_vllm.kv_layout import (
+from semshare_vllm.layout.geometry import KVGeometry
+from semshare_vllm.layout.kv_layout import (
     PageLayout,
     UnsupportedKVLayout,
     copy_blocks,
@@ -40,11 +40,9 @@ from semshare_vllm.kv_layout import (
     slots_for,
     stack_layers,
 )
-from semshare_vllm.kv_store import DonorKVStore
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import (
     CaptureSpec,
-    DonorKey,
     LoadSpec,
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
@@ -52,6 +50,8 @@ from semshare_vllm.metadata import (
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.recompute.policy import make_selection
 from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.store.base import DonorKVStore
+from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore, fit_to_memory
 from semshare_vllm.vllm_compat import model_hook
 from semshare_vllm.vllm_compat.attention_layers import AttentionLayer, attention_layers
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
@@ -93,7 +93,7 @@ class SemShareWorker:
         self._disabled_report: str | None = None   # sent once (build_worker_meta)
         self._tier_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
         self._tier_puts: list[Future] = []
-        self._ready_marks = None     # shared_index.KVReadyMarks, with shared_index_url
+        self._ready_marks = None     # catalog.shared_index.KVReadyMarks, with shared_index_url
         # donor -> digest of the KV this rank put in the tier (a fetch back must match it: any
         # client of LMCache's remote backend could have written other KV under its keys)
         self._tier_digests: dict[DonorKey, str] = {}
@@ -163,7 +163,7 @@ class SemShareWorker:
         problem turns recompute off with one warning: loads that need repair are then reported
         failed (vLLM computes those tokens); exact loads stay plain copies."""
         if self.config.recompute_policy == "none" or self.geometry.exact_only:
-            return None    # quantised KV: the repair would ignore its scales (geometry.py)
+            return None    # quantised KV: the repair would ignore its scales (layout/geometry.py)
         if getattr(self._vllm_config, "lora_config", None) is not None:
             # The model's LoRA layers apply the adapters of the batch vLLM is running, by
             # position, not those of the request being repaired.
@@ -214,11 +214,11 @@ class SemShareWorker:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         try:
-            from semshare_vllm.lmcache_store import LMCacheKVStore
+            from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
             g, rank = self.geometry, get_tensor_model_parallel_rank()
             if self.config.shared_index_url:
-                from semshare_vllm.shared_index import KVReadyMarks
+                from semshare_vllm.catalog.shared_index import KVReadyMarks
 
                 self._ready_marks = KVReadyMarks(self.config.shared_index_url, g.fingerprint,
                                                  rank, self.config.shared_index_secret)
@@ -291,7 +291,7 @@ class SemShareWorker:
         """On the tier thread: milliseconds to a readable put, or None when it failed."""
         t0 = time.perf_counter()
         try:
-            from semshare_vllm.shared_index import kv_digest
+            from semshare_vllm.catalog.shared_index import kv_digest
 
             digest = kv_digest(rows, getattr(self.tier, "dtype", None))
             kept = self.tier.put(key, token_ids, rows)
@@ -419,7 +419,7 @@ class SemShareWorker:
         put it. No digest (nothing to compare with): not used."""
         import hmac
 
-        from semshare_vllm.shared_index import kv_digest
+        from semshare_vllm.catalog.shared_index import kv_digest
 
         if spec.donor_kv_digests is not None:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -7,8 +7,7 @@ process with no connector.
 import pytest
 import torch
 
-from semshare_vllm.donor_index import donor_id_for
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey, donor_id_for
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
 
@@ -163,7 +162,7 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
     worker.flush_captures()
-    from semshare_vllm.kv_layout import read_range
+    from semshare_vllm.layout.kv_layout import read_range
 
     pages = worker.store.pool[:, worker.store.blocks(key)]  # [layers, blocks, H, N, 2D], CPU order
     blocks = list(range(pages.shape[1]))

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from semshare_vllm.donor_index import donor_id_for
-from semshare_vllm.kv_layout import read_range, write_range
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey, donor_id_for
+from semshare_vllm.layout.kv_layout import read_range, write_range
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document

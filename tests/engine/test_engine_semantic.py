@@ -118,8 +118,7 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
 
 def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(llm, sched, worker,
                                                                        prompts, references):
-    from semshare_vllm.donor_index import donor_id_for
-    from semshare_vllm.metadata import DonorKey
+    from semshare_vllm.core.keys import DonorKey, donor_id_for
 
     out = run(llm, prompts["gone_a"])
     key = DonorKey("", donor_id_for("", prompts["gone_a"] + out["token_ids"][:-1]))

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from semshare_vllm import donor_file
+from semshare_vllm.store import donor_file
 from semshare_vllm.testbed import models
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 from semshare_vllm.testbed.text import wiki_document

@@ -5,8 +5,7 @@ opted out, under a fresh cache_salt, in the same engine)."""
 
 import pytest
 
-from semshare_vllm.donor_index import donor_id_for
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey, donor_id_for
 from semshare_vllm.testbed import offline
 from semshare_vllm.testbed.text import wiki_document
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.layout.geometry import KVGeometry
 
 BS = 32
 LAYERS = ("l0", "l1")

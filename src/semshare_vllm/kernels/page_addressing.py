@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_layout import PackedKVView, PagedRegionKVView, PageLayout, UnsupportedKVLayout
+from ..layout.kv_layout import PackedKVView, PagedRegionKVView, PageLayout, UnsupportedKVLayout
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compare by identity
@@ -93,7 +93,7 @@ class PageAddressing:
     def cpu_pages(cls, kv_cache: torch.Tensor, k_pos: torch.Tensor,
                   v_pos: torch.Tensor) -> PageAddressing:
         """CPU_ATTN: each (block, head) page is a K region of N*D elements then a V region;
-        ``k_pos`` / ``v_pos`` (``kv_layout.calibrate_cpu_pages``) order each region."""
+        ``k_pos`` / ``v_pos`` (``layout.kv_layout.calibrate_cpu_pages``) order each region."""
         _, _, block_size, channels = _check_shape(kv_cache)
         if kv_cache.stride(2) != channels * kv_cache.stride(3):
             raise UnsupportedKVLayout("KV pages are not contiguous")

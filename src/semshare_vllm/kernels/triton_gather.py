@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_layout import stack_layers
+from ..layout.kv_layout import stack_layers
 from .page_addressing import PageAddressing
 from .rope import RopeTable
 from .triton_rope import rope_delta, rope_pairs, rope_rotate

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from semshare_vllm.kv_layout import KVView, PageLayout, read_range, slots_for
+from semshare_vllm.layout.kv_layout import KVView, PageLayout, read_range, slots_for
 from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
 from semshare_vllm.vllm_compat import cpu_attention
 

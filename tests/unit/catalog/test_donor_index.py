@@ -1,5 +1,5 @@
-from semshare_vllm.donor_index import DonorIndex, DonorRecord, block_hashes, donor_id_for
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
+from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 
 BS = 4
 

@@ -2,11 +2,11 @@
 
 import numpy as np
 
+from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
+from semshare_vllm.catalog.eviction import MIN_DEVIATION_REPORTS, make_policy
+from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.discovery.vector_index import VectorIndex
-from semshare_vllm.donor_index import DonorIndex, DonorRecord, block_hashes, donor_id_for
-from semshare_vllm.eviction import MIN_DEVIATION_REPORTS, make_policy
-from semshare_vllm.metadata import DonorKey
 
 BS = 4
 

@@ -1,6 +1,6 @@
-"""The shared donor index (``shared_index.SharedDonorFeed``) on a real ``redis-server``: records
-cross instances intact once every rank's KV is marked readable (not before), an instance never
-reads its own, a late instance catches up, an outage is counted and survived, and reading
+"""The shared donor index (``catalog.shared_index.SharedDonorFeed``) on a real ``redis-server``:
+records cross instances intact once every rank's KV is marked readable (not before), an instance
+never reads its own, a late instance catches up, an outage is counted and survived, and reading
 resumes when Redis is back. Only what is signed with the instances' secret counts: forged
 records and readiness marks are dropped, records that do not fit this engine are dropped without
 holding up the feed, and a worker refuses KV whose digest is not the one its rank signed."""
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from semshare_vllm.discovery.embedder import DocumentEmbedding
-from semshare_vllm.shared_index import (
+from semshare_vllm.catalog.shared_index import (
     FORMAT,
     KVReadyMarks,
     SharedDonor,
@@ -21,6 +20,7 @@ from semshare_vllm.shared_index import (
     ready_key,
     sign_record,
 )
+from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.testbed.redis_server import RedisServer
 
 SECRET = "test-secret"
@@ -36,7 +36,7 @@ def shard_digest(donor_id, rank):
 
 
 def did(i):
-    """Donor ids are 32 hex digits (``donor_index.donor_id_for``)."""
+    """Donor ids are 32 hex digits (``core.keys.donor_id_for``)."""
     return f"{i:032x}"
 
 
@@ -341,9 +341,10 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     and vLLM computes it), counted as tier_digest_mismatches."""
     import vllm.distributed.parallel_state as parallel_state
 
-    from semshare_vllm.host_store import DonorUnavailable
-    from semshare_vllm.metadata import DonorKey, LoadSpec
+    from semshare_vllm.core.keys import DonorKey
+    from semshare_vllm.metadata import LoadSpec
     from semshare_vllm.stats import StatsRecorder
+    from semshare_vllm.store.host_store import DonorUnavailable
     from semshare_vllm.worker import SemShareWorker
 
     rows = torch.randn(2, 40, 2, 8, generator=torch.Generator().manual_seed(1))

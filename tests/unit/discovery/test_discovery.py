@@ -200,8 +200,8 @@ def test_shared_grams_decide_without_embedding():
 def test_embeddings_come_back_from_the_snapshot(tmp_path):
     import torch
 
-    from semshare_vllm import donor_file
-    from semshare_vllm.donor_index import donor_id_for
+    from semshare_vllm.core.keys import donor_id_for
+    from semshare_vllm.store import donor_file
 
     root = tmp_path / "fp"
     tokens = DOC[:128]

@@ -1,5 +1,5 @@
 """The torch reference of the fused gather + RoPE + scatter against the obvious slow version: one
-token at a time through ``kv_layout``'s views, for packed and CPU_ATTN pages."""
+token at a time through ``layout.kv_layout``'s views, for packed and CPU_ATTN pages."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from semshare_vllm.kernels.gather_rearrange import (
 )
 from semshare_vllm.kernels.page_addressing import PageAddressing
 from semshare_vllm.kernels.rope import RopeTable, rope_correct_reference
-from semshare_vllm.kv_layout import (
+from semshare_vllm.layout.kv_layout import (
     PackedKVView,
     PagedRegionKVView,
     PageLayout,

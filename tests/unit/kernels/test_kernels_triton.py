@@ -36,7 +36,7 @@ else:
     )
     from semshare_vllm.kernels.page_addressing import PageAddressing
     from semshare_vllm.kernels.rope import correct_rope, rope_correct_reference
-    from semshare_vllm.kv_layout import PageLayout
+    from semshare_vllm.layout.kv_layout import PageLayout
 
     TABLES = ["neox", "gptj", "partial", "partial_gptj", "yarn", "neox_head80"]
 

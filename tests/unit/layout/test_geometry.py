@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from semshare_vllm.geometry import kv_geometry
+from semshare_vllm.layout.geometry import kv_geometry
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 

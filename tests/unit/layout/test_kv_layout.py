@@ -5,7 +5,7 @@ it)."""
 import pytest
 import torch
 
-from semshare_vllm.kv_layout import (
+from semshare_vllm.layout.kv_layout import (
     PackedKVView,
     UnsupportedKVLayout,
     calibrate_cpu_pages,
@@ -89,7 +89,7 @@ def test_unsupported_layouts_are_refused():
 @pytest.mark.parametrize("start, count", [(0, 96), (5, 100), (32, 32), (40, 10), (7, 150)])
 def test_range_io_equals_slot_io(backend, start, count):
     """Whole blocks go the fast page-copy way, partial blocks slot by slot: the same bytes."""
-    from semshare_vllm.kv_layout import read_range, slots_for, write_range
+    from semshare_vllm.layout.kv_layout import read_range, slots_for, write_range
 
     block_ids = [5, 2, 4, 0, 3, 1]  # a request's blocks, in position order
     k, v = tokens(count, 3)
@@ -106,7 +106,7 @@ def test_range_io_equals_slot_io(backend, start, count):
 
 def test_any_page_permutation_block_and_slot_paths_agree():
     """A kernel with some other in-page order (say, another ISA's tiling) is still served."""
-    from semshare_vllm.kv_layout import PagedRegionKVView, read_range, write_range
+    from semshare_vllm.layout.kv_layout import PagedRegionKVView, read_range, write_range
 
     g = torch.Generator().manual_seed(4)
     k_pos = torch.randperm(N * D, generator=g).view(N, D)
@@ -129,7 +129,7 @@ def test_any_page_permutation_block_and_slot_paths_agree():
 def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
     """Donor pages -> cache blocks: raw page copies where aligned, token copies elsewhere; the
     target then holds exactly the donor's K/V at the new positions."""
-    from semshare_vllm.kv_layout import PageLayout, copy_tokens, read_range, write_range
+    from semshare_vllm.layout.kv_layout import PageLayout, copy_tokens, read_range, write_range
 
     layout = PageLayout(backend, D, "vec")
     donor = torch.zeros(4, H, N, 2 * D)
@@ -145,7 +145,7 @@ def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
 
 
 def test_stack_layers_views_one_buffer_and_falls_back():
-    from semshare_vllm.kv_layout import stack_layers
+    from semshare_vllm.layout.kv_layout import stack_layers
 
     flat = torch.arange(3 * B * H * N * 2 * D, dtype=torch.float32)
     layers = [flat[i * B * H * N * 2 * D:(i + 1) * B * H * N * 2 * D].view(B, H, N, 2 * D)

@@ -1,5 +1,6 @@
-"""A donor's identity beyond token ids (``identity.py``) and the scheduler keeping donors within
-it: the LoRA adapter, multimodal inputs and prompt embeddings, besides the tenant's cache_salt.
+"""A donor's identity beyond token ids (``core/identity.py``) and the scheduler keeping donors
+within it: the LoRA adapter, multimodal inputs and prompt embeddings, besides the tenant's
+cache_salt.
 Hand-built requests, no engine (the engine checks are in test_engine_trust.py)."""
 
 from types import SimpleNamespace
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 from support.scheduler import BS, Blocks, geometry, request
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.identity import keyable, namespace_of, semantic_allowed, tenant_of
+from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed, tenant_of
 from semshare_vllm.scheduler import SemShareScheduler
 
 

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import torch
 from support.scheduler import LAYERS, Blocks, finish, geometry, request
 
-from semshare_vllm import donor_file
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.donor_index import donor_id_for
-from semshare_vllm.metadata import DonorKey, SemShareWorkerMetadata
+from semshare_vllm.core.keys import DonorKey, donor_id_for
+from semshare_vllm.metadata import SemShareWorkerMetadata
 from semshare_vllm.scheduler import SemShareScheduler
+from semshare_vllm.store import donor_file
 
 
 def test_capture_then_claim_whole_blocks_leaving_one_token():
@@ -278,7 +278,7 @@ def test_without_discovery_a_donor_is_announced_at_capture():
 
 
 def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
-    from semshare_vllm.shared_index import SharedDonor
+    from semshare_vllm.catalog.shared_index import SharedDonor
 
     tokens = list(range(500, 700))
     digests = ["ab" * 32]                       # its rank's KV digest, from its signed mark
@@ -308,8 +308,8 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
 def test_a_malformed_shared_record_costs_that_record_only():
     import numpy as np
 
+    from semshare_vllm.catalog.shared_index import SharedDonor
     from semshare_vllm.discovery.embedder import DocumentEmbedding
-    from semshare_vllm.shared_index import SharedDonor
 
     tokens = list(range(300, 400))
     bad = SharedDonor("", donor_id_for("", tokens), tokens, 100, embedder_id="embedder-x",

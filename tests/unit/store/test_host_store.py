@@ -3,9 +3,9 @@ import os
 import pytest
 import torch
 
-from semshare_vllm import donor_file
-from semshare_vllm.host_store import DonorUnavailable, HostKVStore
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.store import donor_file
+from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PAGE = (2, 4, 16)  # kv_heads, block_size, 2 * head_size

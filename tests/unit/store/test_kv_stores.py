@@ -1,4 +1,4 @@
-"""The contract every donor KV store keeps (``kv_store.DonorKVStore``): the built-in host store
+"""The contract every donor KV store keeps (``store.base.DonorKVStore``): the built-in host store
 and LMCache (local CPU, and with a real Redis server as its remote backend) pass the same tests.
 The Redis cases also check what the stores promise across instances: a second LMCache engine
 (another vLLM instance's) reads what the first wrote, and an outage costs misses, not errors."""
@@ -6,9 +6,9 @@ The Redis cases also check what the stores promise across instances: a second LM
 import pytest
 import torch
 
-from semshare_vllm.host_store import HostKVStore
-from semshare_vllm.kv_layout import PageLayout
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.layout.kv_layout import PageLayout
+from semshare_vllm.store.host_store import HostKVStore
 
 L, H, D, BS = 3, 2, 32, 32
 CHUNK = 16          # LMCache's chunk size here (256 in service): several chunks per donor
@@ -28,7 +28,7 @@ def host_store():
 
 
 def lmcache_store(remote_url=None):
-    from semshare_vllm.lmcache_store import LMCacheKVStore
+    from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
     return LMCacheKVStore(L, H, D, torch.float32, "contract-model", 32 * 2**20,
                           remote_url=remote_url, chunk_size=CHUNK)
@@ -102,10 +102,11 @@ def test_namespace_tags_are_one_to_one(store):
 
 
 def test_a_fetched_donor_has_the_digest_its_writer_signed(redis):
-    """What a worker checks a shared donor's KV against (``shared_index.kv_digest``): the digest
-    of the rows it put, in the store's dtype, equals that of the rows another instance fetches."""
-    from semshare_vllm.lmcache_store import LMCacheKVStore
-    from semshare_vllm.shared_index import kv_digest
+    """What a worker checks a shared donor's KV against (``catalog.shared_index.kv_digest``): the
+    digest of the rows it put, in the store's dtype, equals that of the rows another instance
+    fetches."""
+    from semshare_vllm.catalog.shared_index import kv_digest
+    from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
     def half_store():
         return LMCacheKVStore(L, H, D, torch.float16, "digest-model", 32 * 2**20,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.geometry import KVGeometry
+from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.metadata import SemShareWorkerMetadata
 from semshare_vllm.worker import SemShareWorker
 

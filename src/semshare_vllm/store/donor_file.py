@@ -50,7 +50,7 @@ def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: in
                 head_size: int, block_size: int, tp_size: int, extra=None) -> str:
     """A short id of everything the scheduler knows that must match for stored KV to be reusable.
     ``extra``: anything else that changes the KV of the same tokens (the weights' identity,
-    quantisation, RoPE, the KV cache dtype: ``geometry.py``), JSON-able with sorted keys."""
+    quantisation, RoPE, the KV cache dtype: ``layout/geometry.py``), JSON-able with sorted keys."""
     parts = [model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size]
     if extra is not None:
         parts.append(extra)

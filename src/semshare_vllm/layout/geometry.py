@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from semshare_vllm import donor_file
+from semshare_vllm.store import donor_file
 
 
 @dataclass(frozen=True)

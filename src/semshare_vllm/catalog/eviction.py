@@ -20,8 +20,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from semshare_vllm.donor_index import DonorRecord
-    from semshare_vllm.metadata import DonorKey
+    from semshare_vllm.catalog.donor_index import DonorRecord
+    from semshare_vllm.core.keys import DonorKey
 
 # A donor's deviation is judged on this many reports at least (one bad reuse proves little).
 MIN_DEVIATION_REPORTS = 3

@@ -7,49 +7,26 @@ it with the donor, so there is never a vector without KV nor KV the search canno
 Namespaces are separate dictionaries (and separate vector tables), so a lookup in one namespace
 cannot see another's donors; the empty namespace is a namespace like any.
 
-Exact-prefix matching uses a chain hash per block of ``block_size`` tokens: the hash of block i
-covers tokens [0, (i+1) * block_size), so the longest run of equal hashes is the longest
-block-aligned common prefix.
+Exact-prefix matching uses a chain hash per block of ``block_size`` tokens
+(``core.keys.block_hashes``): the hash of block i covers tokens [0, (i+1) * block_size), so the
+longest run of equal hashes is the longest block-aligned common prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
-
+from semshare_vllm.catalog.eviction import EvictionPolicy
+from semshare_vllm.core.keys import DonorKey, block_hashes
 from semshare_vllm.discovery.ngrams import sample_grams
-from semshare_vllm.eviction import EvictionPolicy
-from semshare_vllm.metadata import DonorKey
 
 if TYPE_CHECKING:
     from semshare_vllm.discovery.embedder import DocumentEmbedding
     from semshare_vllm.discovery.vector_index import VectorIndex
-
-
-def donor_id_for(namespace: str, token_ids: Sequence[int]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(namespace.encode())
-    h.update(b"\0")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.hexdigest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chain hashes of each full block of ``token_ids``."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    out: list[bytes] = []
-    prev = b""
-    for i in range(len(tokens) // block_size):
-        prev = hashlib.blake2b(prev + tokens[i * block_size:(i + 1) * block_size].tobytes(),
-                               digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 @dataclass(eq=False)  # identity: records hold numpy arrays

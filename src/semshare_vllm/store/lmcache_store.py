@@ -36,8 +36,8 @@ from typing import Sequence
 
 import torch
 
-from semshare_vllm.kv_store import DonorKVStore
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.store.base import DonorKVStore
 
 # Before LMCache is imported: no usage telemetry; its Prometheus files in a private directory, not
 # the fixed one it would share with every user of the machine.

@@ -15,7 +15,7 @@ memory is read back (and checksum-verified) on first use. Files carry the tensor
 
 The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``); the
 ``DonorKVStore`` methods (``put``/``get``/``contains``/``evict``, KV as rows) are what the host
-store shares with LMCache (``kv_store``), through the pool's ``PageAddressing``.
+store shares with LMCache (``base.py``), through the pool's ``PageAddressing``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from semshare_vllm import donor_file
+from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.kernels import PageAddressing, gather_rearrange, stage_rows
-from semshare_vllm.kv_layout import PageLayout, slots_for
-from semshare_vllm.kv_store import DonorKVStore
+from semshare_vllm.layout.kv_layout import PageLayout, slots_for
 from semshare_vllm.logs import warn_once
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.store import donor_file
+from semshare_vllm.store.base import DonorKVStore
 
 logger = logging.getLogger("vllm.semshare.store")
 

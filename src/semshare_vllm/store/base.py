@@ -1,5 +1,5 @@
-"""Where donor KV is kept: one interface for the built-in host store (``host_store``) and
-LMCache (``lmcache_store``).
+"""Where donor KV is kept: one interface for the built-in host store (``host_store.py``) and
+LMCache (``lmcache_store.py``).
 
 KV crosses this interface as *rows*: ``[layers, tokens, kv_heads, 2 * head_size]``, K then V in
 the last dimension, one row per donor token: the staging layout the kernels read and write
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from semshare_vllm.metadata import DonorKey
+from semshare_vllm.core.keys import DonorKey
 
 
 class DonorKVStore(ABC):
