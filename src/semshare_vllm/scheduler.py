@@ -526,8 +526,7 @@ class SemShareScheduler:
                 else:
                     start, num_external_tokens = 0, request.num_tokens
                 block_ids = list(blocks.get_block_ids()[0])
-                self._loaded_blocks[request.request_id] = \
-                    block_ids[start // self.geometry.block_size:]
+                self._remember_load(request.request_id, block_ids, start)
                 self._loads.append(LoadSpec(
                     req_id=request.request_id, key=DonorKey("", ""), src_start=0,
                     dst_start=start, num_tokens=num_external_tokens, block_ids=block_ids,
@@ -565,8 +564,7 @@ class SemShareScheduler:
                 spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
         if scoring:
             spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
-        self._loaded_blocks[request.request_id] = \
-            block_ids[spec.dst_start // self.geometry.block_size:]
+        self._remember_load(request.request_id, block_ids, spec.dst_start)
         self.index.touch(spec.key)
         record = self.index.get(spec.key)
         if record is not None:
@@ -695,6 +693,10 @@ class SemShareScheduler:
                 if self.index.remove(key) is not None:
                     self.stats.add("donors_evicted")
                 self._evictions.append(key)
+
+    def _remember_load(self, req_id: str, block_ids: list[int], start: int) -> None:
+        """The request's blocks from the one holding ``start`` (the first a load writes) on."""
+        self._loaded_blocks[req_id] = block_ids[start // self.geometry.block_size:]
 
     def _forget_failed_loads(self, invalid: set[int]) -> None:
         """A load failed (the worker reported its blocks): vLLM's ``recompute`` policy keeps

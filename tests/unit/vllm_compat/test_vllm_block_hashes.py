@@ -73,20 +73,24 @@ class Manager:
         self.evicted |= set(ids)
 
 
-def test_a_failed_load_leaves_nothing_in_vllms_prefix_cache_and_its_request_is_no_donor():
+def claimed_load(block_ids):
+    """A scheduler bound to a fake cache manager, and a request it claimed 128 exact tokens
+    for, allocated in ``block_ids``."""
     s = SemShareScheduler(SemShareConfig(), geometry())
     manager = Manager()
     s.bind_kv_cache_manager(manager)
     donor = list(range(200))
     finish(s, donor)
     s.build_connector_meta(None)
-    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
-                                              kv_connector_worker_meta=None,
-                                              invalid_block_ids=set()))
     target = request("t", donor[:150] + [1, 2, 3])
     assert s.get_num_new_matched_tokens(target, 0) == (128, False)
-    s.update_state_after_alloc(target, Blocks([10, 11, 12, 13, 14]), 128)
+    s.update_state_after_alloc(target, Blocks(block_ids), 128)
     s.build_connector_meta(None)
+    return s, manager, target
+
+
+def test_a_failed_load_leaves_nothing_in_vllms_prefix_cache_and_its_request_is_no_donor():
+    s, manager, target = claimed_load([10, 11, 12, 13, 14])
     # the worker reports the load's second block failed; vLLM keeps it cached ("recompute")
     s.update_connector_output(SimpleNamespace(finished_sending=None,
                                               kv_connector_worker_meta=None,
@@ -100,16 +104,7 @@ def test_a_failed_load_leaves_nothing_in_vllms_prefix_cache_and_its_request_is_n
 def test_a_load_that_fails_after_its_request_finished_is_still_evicted():
     """With async scheduling a request can finish (abort) between the step that loads it and
     that step's output: the failure reported then still takes its blocks out of vLLM's cache."""
-    s = SemShareScheduler(SemShareConfig(), geometry())
-    manager = Manager()
-    s.bind_kv_cache_manager(manager)
-    donor = list(range(200))
-    finish(s, donor)
-    s.build_connector_meta(None)
-    target = request("t", donor[:150] + [1, 2, 3])
-    assert s.get_num_new_matched_tokens(target, 0) == (128, False)
-    s.update_state_after_alloc(target, Blocks([20, 21, 22, 23, 24]), 128)
-    s.build_connector_meta(None)
+    s, manager, target = claimed_load([20, 21, 22, 23, 24])
     target.num_computed_tokens = 128
     s.request_finished(target, [20, 21, 22, 23, 24])       # aborted: vLLM frees the blocks
     s.update_connector_output(SimpleNamespace(finished_sending={"done"},
