@@ -42,8 +42,7 @@ class LoadSpec:
     block_ids: list[int]
     # Repair after the copy (``recompute_policy``): "none" (the KV is exact), else the policy
     # the worker runs over the loaded range, the positions it must always recompute, and the
-    # request's token ids from position 0 to the end of the loaded range. "fail": nothing to
-    # load (the scheduler faulted after vLLM took the claim): report the blocks failed.
+    # request's token ids from position 0 to the end of the loaded range.
     policy: str = "none"
     always: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -64,12 +63,25 @@ class LoadSpec:
 
 
 @dataclass
+class FailedLoad:
+    """vLLM took a claim the scheduler then could not plan (a fault after the match): nothing is
+    loaded, and the blocks of positions ``[start, start + num_tokens)`` are reported failed, so
+    that vLLM computes them."""
+
+    req_id: str
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
 class SemShareConnectorMetadata(KVConnectorMetadata):
     # Order matters: the worker drops evictions, then captures, then loads, so a donor captured
     # this step can already serve a load in the same step.
     evictions: list[DonorKey] = field(default_factory=list)
     captures: list[CaptureSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    failed_loads: list[FailedLoad] = field(default_factory=list)
 
 
 @dataclass

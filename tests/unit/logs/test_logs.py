@@ -14,3 +14,30 @@ def test_a_fault_kind_is_warned_once_then_logged_at_debug(caplog):
                       (logging.DEBUG, "loading donor 1 failed"),
                       (logging.DEBUG, "loading donor 2 failed"),
                       (logging.WARNING, "recompute failed")]
+
+
+def test_a_guarded_callback_counts_logs_once_and_falls_back(caplog):
+    from semshare_vllm.logs import guarded
+    from semshare_vllm.stats import StatsRecorder
+
+    class Half:
+        logger = logging.getLogger("vllm.semshare.test_guard")
+
+        def __init__(self):
+            self.stats, self.cleaned = StatsRecorder(), []
+
+        @guarded("lookup", (0, False), on_fault="_clean")
+        def match(self, n):
+            raise RuntimeError(f"boom {n}")
+
+        def _clean(self, n):
+            self.cleaned.append(n)
+
+    half = Half()
+    with caplog.at_level(logging.DEBUG, logger=Half.logger.name):
+        assert [half.match(i) for i in range(3)] == [(0, False)] * 3
+    assert half.stats.totals["fallbacks"] == 3 and half.cleaned == [0, 1, 2]
+    warnings = [r for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == Half.logger.name]
+    assert len(warnings) == 1 and "lookup failed" in warnings[0].getMessage()
+    assert warnings[0].exc_info is not None
