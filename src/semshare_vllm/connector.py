@@ -27,8 +27,8 @@ from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.service import build_discovery
 from semshare_vllm.layout.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
-from semshare_vllm.planner import Aligner
 from semshare_vllm.scheduler import SemShareScheduler
+from semshare_vllm.scheduler.planner import Aligner
 from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
 from semshare_vllm.worker import SemShareWorker
 

@@ -37,3 +37,9 @@ def finish(s, tokens, salt=None, outputs=(7, 8)):
     r = request("done", tokens, salt, outputs=outputs)
     r.num_computed_tokens = r.num_tokens - 1
     return s.request_finished(r, list(range(100, 100 + r.num_tokens // BS + 1)))
+
+
+def found(s, req_id):
+    """The donors the scheduler's search found for a live request (None: none, or not live)."""
+    state = s.requests.get(req_id)
+    return None if state is None else state.found

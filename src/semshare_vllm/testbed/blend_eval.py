@@ -26,9 +26,9 @@ import torch
 from semshare_vllm.alignment import AlignParams, align
 from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
 from semshare_vllm.layout.kv_layout import PageLayout, read_range, slots_for
-from semshare_vllm.planner import plan_claim
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.recompute.policy import Selection
+from semshare_vllm.scheduler.planner import plan_claim
 
 
 @dataclass

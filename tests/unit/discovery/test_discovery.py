@@ -10,7 +10,7 @@ import threading
 import time
 
 import numpy as np
-from support.scheduler import finish, geometry, request
+from support.scheduler import finish, found, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.embedder import DocumentEmbedding
@@ -88,12 +88,12 @@ def test_a_reworded_prompt_finds_its_donor_off_thread():
     emb.gate.set()
     answers = ask(s, target)
     assert answers[-1] == (0, False)                 # found, but nothing claimed yet
-    match = s.found["t"]
+    match = found(s, "t")
     assert match.candidates[0].score > 0.75 and match.candidates[0].method == "cosine"
     assert match.candidates[0].key in s.index
     assert s.stats.totals["semantic_found"] == 1
     s.request_finished(target, [])
-    assert "t" not in s.found
+    assert found(s, "t") is None
 
 
 def test_past_the_deadline_the_request_goes_on():
@@ -107,7 +107,7 @@ def test_past_the_deadline_the_request_goes_on():
     answers = ask(s, target)
     assert answers[0] == (None, False) and answers[-1] == (0, False)
     assert 0.04 <= time.monotonic() - t0 < 2
-    assert s.stats.totals["lookup_timeouts"] == 1 and "t" not in s.found
+    assert s.stats.totals["lookup_timeouts"] == 1 and found(s, "t") is None
     assert 30 <= s.stats.totals["lookup_wait_ms"] <= 60   # held back until the deadline only
     emb.gate.set()
 
@@ -142,7 +142,7 @@ def test_namespaces_never_mix_in_search():
     target = request("t", [5] * 10 + DOC, salt="b")   # a's document, asked by b
     s.on_new_request(target)
     ask(s, target)
-    assert "t" not in s.found and s.stats.totals["semantic_misses"] == 1
+    assert found(s, "t") is None and s.stats.totals["semantic_misses"] == 1
 
 
 def test_an_evicted_donor_is_not_offered():
@@ -159,7 +159,7 @@ def test_an_evicted_donor_is_not_offered():
     assert s.discovery.index.size("") == 0
     emb.gate.set()
     ask(s, target)
-    assert "t" not in s.found
+    assert found(s, "t") is None
 
 
 def test_near_duplicates_need_no_embedding():
@@ -170,7 +170,7 @@ def test_near_duplicates_need_no_embedding():
     target = request("t", DOC[:100] + [1, 2] + DOC[102:])   # two tokens changed
     s.on_new_request(target)
     ask(s, target)
-    assert s.found["t"].candidates[0].method == "simhash" and emb.calls == calls
+    assert found(s, "t").candidates[0].method == "simhash" and emb.calls == calls
 
 
 def test_shared_grams_decide_without_embedding():
@@ -182,18 +182,18 @@ def test_shared_grams_decide_without_embedding():
     unrelated = request("u", list(range(1000, 1200)))
     s.on_new_request(unrelated)
     assert ask(s, unrelated, timeout_s=2)[-1] == (0, False)
-    assert emb.calls == calls and "u" not in s.found
+    assert emb.calls == calls and found(s, "u") is None
     assert s.stats.totals["lookups_without_shared_grams"] == 1
     target = request("t", [7, 8, 9] * 5 + DOC[:190])   # holds most of the donor's grams
     s.on_new_request(target)
     ask(s, target, timeout_s=2)
-    assert emb.calls == calls and s.found["t"].candidates[0].method == "grams"
-    assert s.found["t"].candidates[0].score > 0.9
+    assert emb.calls == calls and found(s, "t").candidates[0].method == "grams"
+    assert found(s, "t").candidates[0].score > 0.9
     emb.gate.set()
     reordered = request("r", DOC[:190][::-1])   # same bag of tokens, no 4-gram in common
     s.on_new_request(reordered)
     ask(s, reordered)
-    assert "r" not in s.found and emb.calls == calls  # below the share: a miss, unembedded
+    assert found(s, "r") is None and emb.calls == calls  # below the share: a miss, unembedded
     assert s.stats.totals["lookups_without_shared_grams"] == 2
 
 
@@ -212,7 +212,7 @@ def test_embeddings_come_back_from_the_snapshot(tmp_path):
     settle(s)                                   # restored donor embedded again (no snapshot)
     assert emb.calls == 1 and s.discovery.index.size("") == 1
     s.index.records()[0].hits = 3
-    s._snapshot_dirty = True
+    s.catalog.changed = True
     s.shutdown()                                # writes the snapshot
     assert (root / "discovery.v1.npz").is_file()
 
@@ -249,7 +249,7 @@ def test_a_lookup_does_not_wait_behind_a_long_donor():
     t0 = time.monotonic()
     ask(s, target)
     assert time.monotonic() - t0 < 0.3           # on its own thread, beside the long donor
-    assert "t" in s.found
+    assert found(s, "t") is not None
     settle(s)
     assert s.stats.totals["donors_embedded"] == 2
 

@@ -6,8 +6,8 @@ import types
 from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment import AlignParams, align
-from semshare_vllm.planner import Aligner, coverage, plan_claim
-from semshare_vllm.scheduler import reuse_mode
+from semshare_vllm.scheduler.planner import Aligner, coverage, plan_claim
+from semshare_vllm.scheduler.request_params import reuse_mode
 
 
 def test_aligner_picks_the_donor_covering_most_of_the_claim():

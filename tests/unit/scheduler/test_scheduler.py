@@ -126,10 +126,12 @@ def test_a_fault_after_vllm_took_the_claim_has_the_worker_report_the_blocks_fail
     finish(s, donor)
     target = request("t", donor[:150] + [1, 2, 3])
     assert s.get_num_new_matched_tokens(target, 0) == (128, False)
-    s.index = None                                  # anything that makes our planning raise
+    s.catalog.index = None                          # anything that makes our planning raise
     s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 128)
-    load = s.build_connector_meta(None).loads[0]
-    assert load.policy == "fail" and (load.dst_start, load.num_tokens) == (0, 128)
+    meta = s.build_connector_meta(None)
+    assert not meta.loads and len(meta.failed_loads) == 1
+    load = meta.failed_loads[0]
+    assert (load.start, load.num_tokens) == (0, 128) and load.block_ids == list(range(10, 15))
     assert s.stats.totals["fallbacks"] == 1
 
 
@@ -141,10 +143,12 @@ def test_a_fault_behind_a_local_prefix_hit_reports_the_claimed_blocks_not_the_sh
     finish(s, donor)
     target = request("t", donor[:150] + [1, 2, 3])
     assert s.get_num_new_matched_tokens(target, 64) == (64, False)
-    s.index = None
+    s.catalog.index = None
     s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 64)
-    load = s.build_connector_meta(None).loads[0]
-    assert load.policy == "fail" and (load.dst_start, load.num_tokens) == (64, 64)
+    meta = s.build_connector_meta(None)
+    assert not meta.loads and len(meta.failed_loads) == 1
+    load = meta.failed_loads[0]
+    assert (load.start, load.num_tokens) == (64, 64)
 
 
 def scoring_request(req_id, tokens, limit):

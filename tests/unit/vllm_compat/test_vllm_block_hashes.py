@@ -9,6 +9,7 @@ from support.scheduler import BS, Blocks, finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.scheduler import SemShareScheduler
+from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,9 @@ def vllm_request(hasher, req_id, tokens):
 
 @pytest.mark.parametrize("prompt_len,start", [(100, 96), (20, 0), (100, 0), (130, 64)])
 def test_every_hash_from_the_claim_on_is_request_only_now_and_later(hasher, prompt_len, start):
-    s = SemShareScheduler(SemShareConfig(), geometry())
     tokens = list(range(1000, 1000 + prompt_len))
     served, plain = vllm_request(hasher, "served", tokens), vllm_request(hasher, "plain", tokens)
-    s._make_request_only(served, start)
+    vllm_block_hashes.make_request_only(served, start, BS)
     for t in range(200):           # decoding fills the partial block and several more
         served.append_output_token_ids(t)
         plain.append_output_token_ids(t)
@@ -44,19 +44,19 @@ def test_every_hash_from_the_claim_on_is_request_only_now_and_later(hasher, prom
         assert mine != true
     # another request served the same way keeps its own salt
     other = vllm_request(hasher, "other", tokens)
-    s._make_request_only(other, start)
+    vllm_block_hashes.make_request_only(other, start, BS)
     for t in range(200):
         other.append_output_token_ids(t)
     assert not set(other.block_hashes[first:]) & set(served.block_hashes[first:])
 
 
 def test_a_later_claim_starting_earlier_salts_back_to_its_start(hasher):
-    s = SemShareScheduler(SemShareConfig(), geometry())
     tokens = list(range(1000, 1200))
     served, plain = vllm_request(hasher, "served", tokens), vllm_request(hasher, "plain", tokens)
-    s._make_request_only(served, 128)     # first asked with a 4-block local hit...
-    s._make_request_only(served, 32)      # ...re-asked once vLLM's hit shrank to one block
-    s._make_request_only(served, 96)      # (a later start changes nothing)
+    request_only = vllm_block_hashes.make_request_only
+    request_only(served, 128, BS)     # first asked with a 4-block local hit...
+    request_only(served, 32, BS)      # ...re-asked once vLLM's hit shrank to one block
+    request_only(served, 96, BS)      # (a later start changes nothing)
     for t in range(100):
         served.append_output_token_ids(t)
         plain.append_output_token_ids(t)
@@ -115,4 +115,4 @@ def test_a_load_that_fails_after_its_request_finished_is_still_evicted():
         s.update_connector_output(SimpleNamespace(finished_sending=None,
                                                   kv_connector_worker_meta=None,
                                                   invalid_block_ids=None))
-    assert not s._finished_loads
+    assert not s.load_watch.finished_watched()

@@ -1,0 +1,320 @@
+"""The scheduler half (EngineCore process): vLLM's scheduler-side connector callbacks, and only
+those. Each step of the hit path lives in its own module of this package:
+
+* ``request_params``: what the request asks of us (``kv_transfer_params``);
+* ``semantic_search``: the donor search started on arrival, then the alignment (``planner``);
+* ``loads``: the worker's load for what vLLM allocated, and the blocks watched for its failure;
+* ``capture``: which finished requests become donors;
+* ``sharing`` / ``persistence``: donors across instances and restarts.
+
+One ``RequestState`` per live request; the catalog (``DonorCatalog``) is changed only on this
+thread. A fault in a callback costs that request its reuse (``logs.guarded``), never the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from semshare_vllm.catalog.donor_index import DonorIndex, PrefixMatch
+from semshare_vllm.catalog.eviction import make_policy
+from semshare_vllm.catalog.shared_index import SharedDonorFeed
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.identity import keyable, namespace_of
+from semshare_vllm.discovery.service import DiscoveryService
+from semshare_vllm.layout.geometry import KVGeometry
+from semshare_vllm.logs import guarded, warn_once
+from semshare_vllm.metadata import (
+    CaptureSpec,
+    FailedLoad,
+    LoadSpec,
+    SemShareConnectorMetadata,
+    SemShareWorkerMetadata,
+)
+from semshare_vllm.scheduler.capture import donor_for
+from semshare_vllm.scheduler.donor_catalog import DonorCatalog
+from semshare_vllm.scheduler.loads import LoadWatch, failed_load, load_spec
+from semshare_vllm.scheduler.persistence import Snapshots, restore
+from semshare_vllm.scheduler.planner import Aligner, SemanticPlan
+from semshare_vllm.scheduler.request_params import (
+    claim_limit,
+    reuse_limit,
+    reuse_mode,
+    wants_prompt_logprobs,
+)
+from semshare_vllm.scheduler.request_state import RequestState
+from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
+from semshare_vllm.scheduler.sharing import DonorSharing
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
+from semshare_vllm.vllm_compat import prefix_cache_flags
+
+logger = logging.getLogger("vllm.semshare.scheduler")
+
+
+class SemShareScheduler:
+    logger = logger
+
+    def __init__(self, config: SemShareConfig, geometry: KVGeometry,
+                 discovery: DiscoveryService | None = None, aligner: Aligner | None = None,
+                 feed: SharedDonorFeed | None = None):
+        self.config = config
+        self.geometry = geometry
+        self.stats = StatsRecorder()
+        self.discovery = None if geometry.unsupported else discovery
+        policy = make_policy(config.eviction_policy, half_life_s=config.decay_half_life_s,
+                             threshold=config.divergence_threshold)
+        # The worker's pool reports its real size in its first step (update_connector_output).
+        self.catalog = DonorCatalog(
+            DonorIndex(geometry.block_size, config.host_store_bytes, policy,
+                       self.discovery.index if self.discovery else None), self.stats)
+        self.search = None if self.discovery is None else SemanticSearch(
+            config, geometry.block_size, self.catalog, self.discovery, aligner, self.stats)
+        self.sharing = DonorSharing(None if geometry.unsupported else feed, geometry,
+                                    self.catalog, self.search, self.stats)
+        self.load_watch = LoadWatch(geometry.block_size, self.stats)
+        self.requests: dict[str, RequestState] = {}
+        self.recompute_ready = False                    # the worker said it can repair
+        self._offered: list[RequestState] = []          # offers (or scoring flags) this step
+        self._loads: list[LoadSpec] = []
+        self._failed_loads: list[FailedLoad] = []
+        self._captures: list[CaptureSpec] = []
+        self._capturing: set[str] = set()               # finished requests whose blocks we hold
+        root = None
+        if config.persist_dir:
+            root = Path(config.persist_dir) / geometry.fingerprint
+        self.snapshots = None if root is None or self.search is None else \
+            Snapshots(root, self.catalog, self.search)
+        if geometry.unsupported:
+            logger.warning("SemShare disabled for this model: %s; requests are computed as usual",
+                           geometry.unsupported)
+        elif root is not None:
+            restore(root, geometry, self.catalog, self.search, self.stats)
+
+    @property
+    def index(self) -> DonorIndex:
+        return self.catalog.index
+
+    def _state(self, request) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = self.requests[request.request_id] = RequestState(request.request_id)
+        return state
+
+    # ---- a request arrives --------------------------------------------------------------------
+    @guarded("discovery")
+    def on_new_request(self, request) -> None:
+        self._absorb()   # donors embedded or shared while the engine was idle join the index
+        if self.search is not None and not self.geometry.unsupported:
+            self.search.start(request, self._state(request))   # runs off this thread
+
+    # ---- vLLM asks how many tokens we can provide ---------------------------------------------
+    @guarded("lookup", (0, False))
+    def get_num_new_matched_tokens(self, request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        state.offer = None
+        if self.geometry.unsupported:
+            return 0, False
+        if not keyable(request):    # prompt embeddings: their token ids say nothing
+            if not state.counted:
+                state.counted = True
+                self.stats.add("unkeyable_requests")
+            return 0, False
+        mode = reuse_mode(request)
+        if mode != "auto" and not state.counted:
+            self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
+        scoring = prefix_cache_flags.wants_cache_skip(request)
+        if scoring and not (wants_prompt_logprobs(request) and reuse_limit(request) is not None):
+            mode = "off"      # vLLM would drop the claim (prompt logprobs, pooling): no lookup
+        if mode == "off":
+            state.counted = True
+            return 0, False
+        if scoring:
+            # Prompt logprobs with a reuse limit. Right after asking us, vLLM drops our answer
+            # (a claim, or "wait" for the search) for requests that skip reading caches: clear
+            # the flag for this step, and have the worker mark the rows it serves. It is set back
+            # once a claim is allocated, or at the end of the step, so that vLLM's own prefix
+            # cache (looked up before us) never serves such a request.
+            prefix_cache_flags.allow_connector_claim(request)
+            state.scoring = request
+            self._offered.append(state)
+        if not state.counted:  # vLLM re-asks while it cannot schedule the request
+            state.counted = True
+            self.stats.add("lookups")
+            self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
+        if self.search is not None:
+            self.search.absorb_embeddings()
+        match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
+        limit = claim_limit(request, self.geometry.block_size)
+        end = min(match.num_tokens, limit) if match is not None else 0
+        claim = end - num_computed_tokens
+        plan = None
+        if self.search is not None:
+            nothing_left = max(end, num_computed_tokens) >= limit
+            if self.search.poll_lookup(request, state, nothing_left):
+                return None, False
+            plan = self.search.plan(request, state, num_computed_tokens, max(claim, 0),
+                                    self.recompute_ready)
+            if plan is WAIT:
+                return None, False
+        if plan is not None and not vllm_block_hashes.make_request_only(
+                request, plan.start, self.geometry.block_size):
+            # Approximate KV must stay out of vLLM's exact prefix cache.
+            warn_once(logger, "request_only", "SemShare: this vLLM's requests have no block hasher "
+                      "the connector can wrap; semantic reuse is off")
+            plan = None
+        if plan is not None:
+            self._offer(state, plan)
+            return plan.num_tokens, False
+        if match is None or claim < max(self.config.min_reuse_tokens, 1):
+            return 0, False
+        self._offer(state, PrefixMatch(match.key, end))
+        return claim, False
+
+    def _offer(self, state: RequestState, offer: PrefixMatch | SemanticPlan) -> None:
+        state.offer = offer
+        self._offered.append(state)
+
+    # ---- vLLM allocated blocks for what we offered --------------------------------------------
+    @guarded("load planning", on_fault="_report_unplanned_load")
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.loaded_blocks = None              # (re-allocated after preemption)
+        scoring = state.scoring is not None
+        if scoring:
+            prefix_cache_flags.restore_cache_skip(request)
+        offer = state.offer
+        if num_external_tokens == 0 or offer is None:
+            state.scoring = None
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        spec = load_spec(request, offer, block_ids, num_external_tokens, self.config,
+                         self.geometry)
+        if isinstance(offer, SemanticPlan):
+            state.aligned, state.approximate = None, True
+            self.stats.add("semantic_hits")
+            self.stats.add("exact_reused_tokens", offer.exact_tokens)
+            self.stats.add("fuzzy_reused_tokens", offer.fuzzy_tokens)
+        if scoring:
+            spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
+        self.load_watch.watch(state, block_ids, spec.dst_start)
+        self.index.touch(spec.key)
+        record = self.index.get(spec.key)
+        if record is not None:
+            record.hits += 1
+            if self.config.kv_tier != "host":   # the worker may have to fetch it from there
+                spec.donor_token_ids = list(record.token_ids)
+                if record.kv_digests:            # another instance's: what it must fetch
+                    spec.donor_kv_digests = list(record.kv_digests)
+        self.stats.add("hits")
+        self.stats.add("hit_tokens", spec.num_tokens)
+        self._loads.append(spec)     # last: a fault above leaves only the failed load
+        state.offer = state.scoring = None
+
+    def _report_unplanned_load(self, request, blocks, num_external_tokens: int) -> None:
+        """vLLM now counts these tokens as loaded: the worker must report their blocks failed,
+        so that vLLM computes them."""
+        if num_external_tokens:
+            state = self._state(request)
+            block_ids = list(blocks.get_block_ids()[0])
+            failed = failed_load(request, state.offer, block_ids, num_external_tokens)
+            self.load_watch.watch(state, block_ids, failed.start)
+            self._failed_loads.append(failed)
+
+    # ---- once per step ------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> SemShareConnectorMetadata:
+        meta = SemShareConnectorMetadata(
+            evictions=self.catalog.take_evictions(), captures=self._captures, loads=self._loads,
+            failed_loads=self._failed_loads)
+        self._captures, self._loads, self._failed_loads = [], [], []
+        for state in self._offered:     # offered, not allocated this step
+            if state.scoring is not None:
+                prefix_cache_flags.restore_cache_skip(state.scoring)
+            state.offer = state.scoring = None
+        self._offered = []
+        self._housekeeping()
+        return meta
+
+    @guarded("housekeeping")
+    def _housekeeping(self) -> None:
+        self._absorb()
+        if self.snapshots is not None:
+            self.snapshots.maybe_write()
+
+    def _absorb(self) -> None:
+        if self.search is not None:
+            self.search.absorb_embeddings()
+        self.sharing.absorb()
+
+    # ---- a request finished: keep it as a donor? ----------------------------------------------
+    @guarded("capture", (False, None))
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        state = self.requests.pop(request.request_id, None) or RequestState(request.request_id)
+        state.drop_job()
+        self.load_watch.finished(state)
+        if state.approximate or state.load_failed:
+            # Approximate KV never becomes a donor (error must not compound), nor does a request
+            # whose load failed (vLLM may not have recomputed the blocks before it ended).
+            return False, None
+        made = donor_for(request, block_ids, self.index, self.config, self.geometry)
+        if made is None:
+            return False, None
+        record, capture = made
+        if not self.catalog.add(record):   # larger than the whole store
+            return False, None
+        self.sharing.announce(record)
+        self._captures.append(capture)
+        self._capturing.add(request.request_id)
+        self.stats.add("donors_registered")
+        return True, None                  # vLLM keeps its blocks until the worker copied them
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._capturing)
+
+    # ---- what the worker reported -------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self.load_watch.kv_cache_manager = kv_cache_manager   # failed blocks leave its cache
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._capturing.discard(req_id)
+        self.load_watch.on_output(getattr(connector_output, "invalid_block_ids", None),
+                                  self.requests)
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, SemShareWorkerMetadata):
+            self._take_worker_report(meta)
+
+    @guarded("worker report")
+    def _take_worker_report(self, meta: SemShareWorkerMetadata) -> None:
+        if meta.disabled and not self.geometry.unsupported:
+            # A worker turned itself off (a layout it cannot address, no pool): its loads would
+            # all fail. No more claims, captures or lookups (each checks ``unsupported``).
+            self.geometry = replace(self.geometry, unsupported=f"worker: {meta.disabled}")
+            logger.warning("SemShare disabled by the worker: %s; requests are computed as usual",
+                           meta.disabled)
+        if meta.recompute_ready is not None:
+            self.recompute_ready = meta.recompute_ready
+        for key, deviation in meta.deviations:   # feeds the "divergence" eviction policy
+            if key in self.index:
+                self.catalog.report_deviation(key, min(1.0, deviation))
+        if meta.capacity_bytes is not None:
+            self.catalog.evict(self.index.shrink(meta.capacity_bytes))
+        for key in meta.bad_donors:
+            self.catalog.drop_bad(key)
+
+    def shutdown(self) -> None:
+        if self.sharing.feed is not None:
+            self.sharing.feed.close()
+        if self.search is None:
+            return
+        self.discovery.stop_registrations()  # a backlog of donors must not delay shutdown
+        self.search.absorb_embeddings()
+        pending = None if self.snapshots is None else self.snapshots.maybe_write(force=True)
+        if pending is not None:
+            try:
+                pending.result(timeout=60)
+            except Exception:
+                pass  # logged by the service
+        self.discovery.close()

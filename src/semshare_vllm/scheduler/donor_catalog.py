@@ -1,0 +1,54 @@
+"""The scheduler's donors: the donor index (changed only on the scheduler thread), the donors the
+worker must drop at its next step, and whether anything changed since the last snapshot."""
+
+from __future__ import annotations
+
+from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.stats import StatsRecorder
+
+
+class DonorCatalog:
+    def __init__(self, index: DonorIndex, stats: StatsRecorder):
+        self.index = index
+        self.stats = stats
+        self.changed = False                  # a snapshot of the embeddings is due
+        self._evictions: list[DonorKey] = []  # for the worker's next step
+
+    def add(self, record: DonorRecord) -> bool:
+        """Index the donor, evicting others past capacity; False when it is larger than the
+        whole store (not kept)."""
+        evicted = self.index.add(record)
+        if record.key in evicted:
+            return False
+        self.evict(evicted)
+        return True
+
+    def evict(self, keys: list[DonorKey]) -> None:
+        if keys:
+            self._evictions.extend(keys)
+            self.stats.add("donors_evicted", len(keys))
+            self.changed = True
+
+    def drop_bad(self, key: DonorKey) -> None:
+        """A donor the worker found unusable: forgotten here, dropped there."""
+        if self.index.remove(key) is not None:
+            self.stats.add("donors_evicted")
+        self._evictions.append(key)
+
+    def report_deviation(self, key: DonorKey, deviation: float) -> None:
+        """The recompute stage's measured deviation (0-1) of one reuse of donor ``key``."""
+        self.evict(self.index.report_deviation(key, deviation))
+        self.changed = True
+
+    def set_embedding(self, key: DonorKey, serial: int, embedding, fingerprint: int) -> bool:
+        """Make the donor searchable (False: that registration is gone meanwhile)."""
+        if self.index.set_embedding(key, serial, embedding, fingerprint):
+            self.stats.add("donors_embedded")
+            self.changed = True
+            return True
+        return False
+
+    def take_evictions(self) -> list[DonorKey]:
+        evictions, self._evictions = self._evictions, []
+        return evictions

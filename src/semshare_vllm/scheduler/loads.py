@@ -1,0 +1,101 @@
+"""From an offer vLLM allocated blocks for to the worker's ``LoadSpec``; and the blocks each
+load wrote, until a failure of it can no longer be reported (``LoadWatch``)."""
+
+from __future__ import annotations
+
+from semshare_vllm.catalog.donor_index import PrefixMatch
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.layout.geometry import KVGeometry
+from semshare_vllm.metadata import FailedLoad, LoadSpec
+from semshare_vllm.scheduler.planner import SemanticPlan
+from semshare_vllm.scheduler.request_state import RequestState
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
+
+# Outputs after a request finished during which a failure of its load may still come back
+# (async scheduling has up to two steps in flight).
+FAILURE_REPORT_OUTPUTS = 3
+
+
+def load_spec(request, offer: PrefixMatch | SemanticPlan, block_ids: list[int],
+              num_external_tokens: int, config: SemShareConfig,
+              geometry: KVGeometry) -> LoadSpec:
+    """What the worker loads for ``offer``, of which vLLM took ``num_external_tokens``."""
+    if isinstance(offer, SemanticPlan):
+        plan = offer if num_external_tokens >= offer.num_tokens else \
+            offer.truncated(num_external_tokens)     # vLLM took less than offered
+        return LoadSpec(
+            req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
+            num_tokens=plan.num_tokens, block_ids=block_ids, policy=config.recompute_policy,
+            always=plan.always, token_ids=list(request.all_token_ids[:plan.end]),
+            donor_pos=plan.donor_pos)
+    start = offer.num_tokens - num_external_tokens
+    spec = LoadSpec(req_id=request.request_id, key=offer.key, src_start=start, dst_start=start,
+                    num_tokens=num_external_tokens, block_ids=block_ids)
+    if config.recompute_policy == "all" and not geometry.exact_only:  # (fp8: not repairable)
+        spec.policy = "all"
+        spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
+    return spec
+
+
+def failed_load(request, offer, block_ids: list[int], num_external_tokens: int) -> FailedLoad:
+    """vLLM counts the claimed tokens as loaded, but the load could not be planned: its blocks
+    are reported failed, from where the claim starts (vLLM sets num_computed_tokens only after
+    allocating; unknown: every block of the request)."""
+    if isinstance(offer, SemanticPlan):
+        start = offer.start
+    elif isinstance(offer, PrefixMatch):
+        start = max(offer.num_tokens - num_external_tokens, 0)
+    else:
+        start, num_external_tokens = 0, request.num_tokens
+    return FailedLoad(request.request_id, start, num_external_tokens, block_ids)
+
+
+class LoadWatch:
+    """A failed load leaves blocks vLLM's ``recompute`` policy keeps cached for the request to
+    recompute; a request preempted or aborted first would leave never-written KV under its true
+    hashes. The blocks of every load are watched here until no failure can come back for them."""
+
+    def __init__(self, block_size: int, stats: StatsRecorder):
+        self.block_size = block_size
+        self.stats = stats
+        # loads of requests that finished before their step's output came back: their failure
+        # may still be reported (async scheduling) -> (blocks, outputs left to wait)
+        self._finished: dict[str, tuple[list[int], int]] = {}
+        self.kv_cache_manager = None   # vLLM's, for evicting failed blocks
+
+    def watch(self, state: RequestState, block_ids: list[int], start: int) -> None:
+        """The request's blocks from the one holding ``start`` (the first a load writes) on."""
+        state.loaded_blocks = block_ids[start // self.block_size:]
+
+    def finished(self, state: RequestState) -> None:
+        if state.loaded_blocks is not None:
+            self._finished[state.req_id] = (state.loaded_blocks, FAILURE_REPORT_OUTPUTS)
+
+    def finished_watched(self) -> list[str]:
+        """Finished requests whose load's failure may still be reported."""
+        return list(self._finished)
+
+    def on_output(self, invalid: set[int] | None, live: dict[str, RequestState]) -> None:
+        """One engine output: take failed blocks (and every block computed after them from that
+        KV) out of vLLM's prefix cache, mark live requests never to be captured, and age the
+        finished loads."""
+        if invalid:
+            self._uncache_failed(invalid, live)
+        for req_id, (blocks, left) in list(self._finished.items()):
+            if left <= 1:
+                del self._finished[req_id]
+            else:
+                self._finished[req_id] = (blocks, left - 1)
+
+    def _uncache_failed(self, invalid: set[int], live: dict[str, RequestState]) -> None:
+        watched = [(s, s.loaded_blocks) for s in live.values() if s.loaded_blocks is not None]
+        watched += [(None, blocks) for blocks, _ in self._finished.values()]
+        for state, blocks in watched:
+            bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            if bad is None:
+                continue
+            if state is not None:      # (a finished one is past capturing)
+                state.load_failed = True
+            vllm_block_hashes.evict_cached(self.kv_cache_manager, blocks[bad:])
+            self.stats.add("failed_blocks_uncached", len(blocks) - bad)

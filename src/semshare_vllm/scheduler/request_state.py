@@ -1,0 +1,61 @@
+"""Everything the scheduler half knows about one live request, in one object: created when the
+request is first seen, dropped (one ``pop``) when vLLM says it finished."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from semshare_vllm.alignment import Alignment
+from semshare_vllm.catalog.donor_index import PrefixMatch
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.discovery.service import Lookup
+from semshare_vllm.discovery.vector_index import Candidate
+from semshare_vllm.scheduler.planner import SemanticPlan
+
+
+@dataclass
+class DiscoveryJob:
+    """A donor search or an alignment running on the discovery thread for the request; vLLM
+    re-asks each step, and the request waits for the job until its deadline."""
+
+    kind: str                    # "lookup" or "align"
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+    asked: float | None = None   # when vLLM first wanted to schedule the request
+    held: float | None = None    # when we last told it to wait
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+@dataclass
+class SemanticMatch:
+    """Donors discovery found for a request (valid when found: present, same namespace, not
+    demoted), best first, and the request's own embedding."""
+
+    candidates: list[Candidate]
+    lookup: Lookup
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    counted: bool = False                      # its lookup is in the stats (vLLM re-asks)
+    job: DiscoveryJob | None = None            # search or alignment in flight
+    found: SemanticMatch | None = None         # donors its search found
+    aligned: tuple[DonorKey, Alignment] | None = None   # the donor its alignment chose
+    # offered this step (an exact prefix or a semantic plan), until vLLM allocates for it
+    offer: PrefixMatch | SemanticPlan | None = None
+    scoring: object | None = None              # the request, let past skip_reading_prefix_cache
+    approximate: bool = False                  # served from a semantic donor: never a donor
+    # its blocks from the first one a load writes (a failed load's blocks, and those computed
+    # after them, leave vLLM's prefix cache)
+    loaded_blocks: list[int] | None = None
+    load_failed: bool = False                  # never captured as a donor
+
+    def drop_job(self) -> None:
+        if self.job is not None:
+            self.job.cancel()
+            self.job = None

@@ -1,0 +1,193 @@
+"""The discovery side of the scheduler half: a request's donor search and alignment, and making
+new donors searchable.
+
+A request's search starts when it arrives (``start``); each time vLLM asks for it, ``poll_lookup``
+and then ``plan`` say whether it must wait for the job running on the discovery thread. Both jobs
+(the search, then the alignment of the donors found) are polled the same way: the request waits
+(vLLM re-asks next step) until its job is done or ``lookup_deadline_ms`` after the job started,
+then goes on without it. The catalog is changed only here, on the scheduler thread: embeddings
+computed on the discovery thread are attached by ``absorb_embeddings``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from semshare_vllm.catalog.donor_index import DonorRecord
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed
+from semshare_vllm.discovery.service import DiscoveryService, Lookup
+from semshare_vllm.scheduler.donor_catalog import DonorCatalog
+from semshare_vllm.scheduler.planner import Aligner, SemanticPlan, coverage, plan_claim
+from semshare_vllm.scheduler.request_params import claim_limit, reuse_limit, reuse_mode
+from semshare_vllm.scheduler.request_state import DiscoveryJob, RequestState, SemanticMatch
+from semshare_vllm.stats import StatsRecorder
+
+WAIT = object()   # "ask again next step": the request's job is still running
+
+
+class SemanticSearch:
+    def __init__(self, config: SemShareConfig, block_size: int, catalog: DonorCatalog,
+                 discovery: DiscoveryService, aligner: Aligner | None, stats: StatsRecorder):
+        self.config = config
+        self.block_size = block_size
+        self.catalog = catalog
+        self.discovery = discovery
+        self.aligner = aligner
+        self.stats = stats
+        self.deadline_s = config.lookup_deadline_ms / 1e3
+        if aligner is not None:
+            # at normal priority: a niced thread starves while vLLM compiles and profiles at
+            # start-up, and the first hit's alignment would then wait for the table to load
+            discovery.run(aligner.warm)
+
+    # ---- a request's search -------------------------------------------------------------------
+    def start(self, request, state: RequestState) -> None:
+        d = self.discovery
+        if d.failed or request.num_prompt_tokens < self.config.min_reuse_tokens:
+            return
+        if not keyable(request) or not semantic_allowed(request):
+            return
+        if reuse_mode(request) in ("off", "exact"):
+            return
+        namespace = namespace_of(request)
+        if d.index.size(namespace) == 0:
+            return  # nothing to find: never make a request wait for an empty namespace
+        tokens = list(request.all_token_ids[:request.num_prompt_tokens])
+        exact = self.catalog.index.longest_prefix(namespace, tokens)
+        if exact is not None and exact.num_tokens >= claim_limit(request, self.block_size):
+            return  # an exact donor already covers all we could claim: no search to pay for
+        state.job = DiscoveryJob("lookup", d.lookup(namespace, tokens))
+        self.stats.add("semantic_lookups")
+
+    def _wait(self, job: DiscoveryJob, give_up: bool = False) -> bool | None:
+        """True: wait for the job; False: it is done; None: it ran past its deadline (or is
+        abandoned, ``give_up``) and is cancelled."""
+        now = time.monotonic()
+        if job.asked is None:
+            job.asked = now
+        if job.future.done():
+            return False
+        if not give_up and now < job.started + self.deadline_s:
+            job.held = now
+            return True
+        job.cancel()
+        return None
+
+    def poll_lookup(self, request, state: RequestState, nothing_left: bool) -> bool:
+        """True while the request should wait for its donor search."""
+        job = state.job
+        if job is None or job.kind != "lookup":
+            return False
+        waiting = self._wait(job, give_up=nothing_left)
+        if waiting:
+            return True
+        if waiting is None:
+            self.stats.add("lookup_timeouts" if not nothing_left else "lookups_skipped")
+        else:
+            self._take_lookup(request, state, job)
+        state.job = None
+        # Held back: from vLLM's first wish to schedule it to the last time we said "wait"; its
+        # time in vLLM's queue before or after is not ours.
+        if job.held is not None:
+            self.stats.add("lookup_wait_ms", (job.held - job.asked) * 1e3)
+        return False
+
+    def _take_lookup(self, request, state: RequestState, job: DiscoveryJob) -> None:
+        future = job.future
+        if future.cancelled() or future.exception() is not None:
+            return  # counted by the service as a discovery fault
+        lookup: Lookup = future.result()
+        self.stats.add("embed_ms", lookup.embed_ms)
+        if lookup.no_shared_grams:
+            self.stats.add("lookups_without_shared_grams")
+        namespace = namespace_of(request)
+        valid = []
+        for c in lookup.candidates:  # re-check: the donor may have gone while we searched
+            record = self.catalog.index.get(c.key)
+            if record is not None and record.key.namespace == namespace and not record.demoted:
+                valid.append(c)
+        if valid:
+            state.found = SemanticMatch(valid, lookup)
+            self.stats.add("semantic_found")
+        else:
+            self.stats.add("semantic_misses")
+
+    def plan(self, request, state: RequestState, num_computed: int, exact_claim: int,
+             recompute_ready: bool) -> SemanticPlan | object | None:
+        """A ``SemanticPlan`` for the request, ``WAIT`` while its alignment runs, or None."""
+        mode = reuse_mode(request)
+        if (state.found is None and state.job is None and state.aligned is None) or \
+                self.aligner is None or not recompute_ready or mode in ("off", "exact") \
+                or not semantic_allowed(request):
+            return None
+        if state.aligned is None:
+            waiting = self._align(request, state, num_computed)
+            if waiting is not False:
+                return waiting
+        key, al = state.aligned
+        index = self.catalog.index
+        record = index.get(key)
+        if record is None or record.demoted or key.namespace != namespace_of(request):
+            state.aligned = None
+            return None
+        end = request.num_prompt_tokens - 1          # vLLM computes the last prompt token
+        limit = reuse_limit(request)
+        if limit is not None:
+            end = min(end, limit)
+        if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
+            return None
+        if coverage(al, num_computed, end) < self.config.min_alignment_coverage and \
+                mode != "semantic":
+            return None
+        return plan_claim(key, al, num_computed, end, self.config.recompute_run_head,
+                          self.config.recompute_tail)
+
+    def _align(self, request, state: RequestState, num_computed: int):
+        """Start or poll the request's alignment: False once ``state.aligned`` is set, else
+        ``WAIT`` or None (no alignment to use)."""
+        if state.job is None:
+            index = self.catalog.index
+            donors = [(c.key, list(index.get(c.key).token_ids))
+                      for c in state.found.candidates if index.get(c.key) is not None]
+            if not donors:
+                return None
+            target = list(request.all_token_ids[:request.num_prompt_tokens])
+            aligner = self.aligner
+            state.job = DiscoveryJob("align", self.discovery.run(
+                lambda: aligner.best(target, num_computed, donors)))
+        job = state.job
+        waiting = self._wait(job)
+        if waiting:
+            return WAIT
+        state.job, state.found = None, None
+        if waiting is None:
+            self.stats.add("align_timeouts")
+            return None
+        future = job.future
+        if future.cancelled() or future.exception() is not None or future.result() is None:
+            return None
+        state.aligned = future.result()
+        self.stats.add("align_ms", (time.monotonic() - job.started) * 1e3)
+        return False
+
+    # ---- donors -------------------------------------------------------------------------------
+    def embed_donor(self, record: DonorRecord, then=None) -> None:
+        """Embed the donor on the discovery thread (``then(embedded)`` runs there after)."""
+        if record.serial and record.key in self.catalog.index:
+            self.discovery.register(record.key, record.serial, record.prompt_token_ids, then)
+            self.prepare_alignment(record)
+
+    def prepare_alignment(self, record: DonorRecord) -> None:
+        if self.aligner is not None:
+            aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
+            self.discovery.run_background(lambda: aligner.prepare(key, tokens))
+
+    def absorb_embeddings(self) -> None:
+        """Attach donors' embeddings computed on the discovery thread."""
+        for e in self.discovery.take_embedded():
+            if self.catalog.set_embedding(e.key, e.serial, e.embedding, e.fingerprint):
+                self.stats.add("embed_ms", e.embed_ms)
+        faults = self.discovery.take_faults()
+        if faults:
+            self.stats.add("discovery_faults", faults)
