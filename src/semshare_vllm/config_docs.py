@@ -1,5 +1,6 @@
-"""docs/configuration.md, generated from ``SemShareConfig``: every key's default, allowed values
-and doc text come from its field in ``config.py`` (the one place they are written).
+"""docs/configuration.md, generated from ``SemShareConfig``: a heading per config section (its
+``TITLE`` and doc string), and every key's default, allowed values and doc text from its field in
+``config/`` (the one place they are written).
 
 ``python -m semshare_vllm.config_docs`` rewrites the page;
 ``tests/unit/config/test_config_docs.py`` fails when the committed page and ``render()`` differ.
@@ -8,21 +9,17 @@ and doc text come from its field in ``config.py`` (the one place they are writte
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
+from semshare_vllm import config
 from semshare_vllm.config import ALIGN_STAGES, ENV_PREFIX, SemShareConfig
 
-# The groups of keys, in the order of the dataclass: (title, first key of the group). They follow
-# the "# ---- ... ----" sections of config.py (its first group has no heading there).
-SECTIONS: tuple[tuple[str, str], ...] = (
-    ("Donor store and capture", "host_store_bytes"),
-    ("Donor KV tier and sharing across instances", "kv_tier"),
-    ("Donor discovery", "embedder"),
-    ("Token alignment (target token -> donor token)", "align_stages"),
-    ("Selective recompute", "recompute_policy"),
-)
+# (title, section class), in the order of SemShareConfig's fields.
+SECTIONS: tuple[tuple[str, type[config.Section]], ...] = tuple(
+    (section.TITLE, section) for section in config.SECTIONS)
 
 _CHECKOUT = Path(__file__).resolve().parents[2]   # src/semshare_vllm/ -> the repository root
 # The page in this checkout; from an installed package, docs/ under the current directory.
@@ -33,8 +30,8 @@ _INTRO = f"""\
 # Configuration reference
 
 Every key of the connector, generated from `semshare_vllm.config.SemShareConfig` (the fields'
-doc strings in `src/semshare_vllm/config.py`); do not edit this page by hand, run
-`python -m semshare_vllm.config_docs` to regenerate it.
+doc strings in `src/semshare_vllm/config/`, a module per section); do not edit this page by hand,
+run `python -m semshare_vllm.config_docs` to regenerate it.
 
 ## How keys are given
 
@@ -65,14 +62,22 @@ vllm serve MODEL --kv-transfer-config '{{"kv_connector":"SemShareConnector",
 
 
 def sections() -> list[tuple[str, list[dataclasses.Field]]]:
-    """The fields of SemShareConfig grouped by SECTIONS, in the dataclass's order."""
+    """The fields of SemShareConfig grouped by section, in the dataclass's order."""
     fields = dataclasses.fields(SemShareConfig)
-    names = [f.name for f in fields]
-    starts = [names.index(first) for _, first in SECTIONS]   # ValueError: a key was renamed
-    if starts[0] != 0 or starts != sorted(starts):
-        raise ValueError("SECTIONS must start at the first field and follow the field order")
-    ends = starts[1:] + [len(fields)]
-    return [(title, list(fields[a:b])) for (title, _), a, b in zip(SECTIONS, starts, ends)]
+    grouped = [(title, [f for f in fields if f.name in _names(section)])
+               for title, section in SECTIONS]
+    if [f.name for _, group in grouped for f in group] != [f.name for f in fields]:
+        raise ValueError("SemShareConfig's fields must be those of SECTIONS, in their order")
+    return grouped
+
+
+def _names(section: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(section)}
+
+
+def summary(section: type) -> str:
+    """What a section covers: its doc string, on one line."""
+    return " ".join(inspect.cleandoc(section.__doc__ or "").split())
 
 
 def _type_name(f: dataclasses.Field) -> str:
@@ -109,7 +114,7 @@ def format_allowed(f: dataclasses.Field) -> str:
         return ", ".join(f'`"{c}"`' for c in meta["choices"])
     if kind == "bool":
         return "`true`, `false`"
-    if f.name == "align_stages":   # checked across the list in SemShareConfig.__post_init__
+    if f.name == "align_stages":   # checked across the list in AlignmentConfig.validate
         return "comma-separated, no repeats: " + ", ".join(f"`{s}`" for s in ALIGN_STAGES)
     if kind == "str | None":
         return "a string (secret: never shown)" if meta.get("secret") else "a string, or unset"
@@ -133,9 +138,9 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     out = [_INTRO.rstrip("\n")]
-    for title, fields in sections():
-        out += ["", f"## {title}", "", "| key | default | allowed values | description |",
-                "|---|---|---|---|"]
+    for (title, section), (_, fields) in zip(SECTIONS, sections()):
+        out += ["", f"## {title}", "", f"`{section.__name__}`: {summary(section)}", "",
+                "| key | default | allowed values | description |", "|---|---|---|---|"]
         for f in fields:
             out.append(f"| `{f.name}` | {format_default(f)} | {format_allowed(f)} | "
                        f"{_cell(f.metadata['doc'])} |")

@@ -31,6 +31,7 @@ from semshare_vllm.alignment.exact_runs import MIN_RUN, align_exact
 from semshare_vllm.alignment.lsh import LshParams, lsh_codes, lsh_stage
 from semshare_vllm.alignment.result import Alignment, AlignmentBuilder, MatchKind
 from semshare_vllm.alignment.sentences import SentenceSplitter, sentence_stage, sentence_vectors
+from semshare_vllm.config import AlignmentConfig
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,11 @@ class AlignParams:
     lsh: LshParams = field(default_factory=LshParams)
 
     @classmethod
-    def from_config(cls, config) -> "AlignParams":
-        """From a ``SemShareConfig`` (which has validated every key)."""
+    def from_config(cls, config: AlignmentConfig) -> "AlignParams":
+        """From the config's alignment section (a ``SemShareConfig`` is one), which has
+        validated every key: nothing is checked again here."""
         return cls(
-            stages=tuple(s.strip() for s in config.align_stages.split(",") if s.strip()),
+            stages=config.stages(),
             min_run=config.align_min_run, sentence_snap=config.align_sentence_snap,
             edit_min_similarity=config.edit_min_similarity,
             sentence_min_similarity=config.sentence_min_similarity,

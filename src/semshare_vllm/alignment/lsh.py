@@ -29,6 +29,7 @@ import torch
 
 from semshare_vllm.alignment.embedding_table import EmbeddingTable
 from semshare_vllm.alignment.result import AlignmentBuilder, MatchKind
+from semshare_vllm.config.alignment import check_lsh
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,9 @@ class LshParams:
     max_dist: float = 30.0
 
     def __post_init__(self):
-        if self.bits < 1 or self.tables < 1 or (self.bits * self.tables) % 8:
-            raise ValueError("bits * tables must be a positive multiple of 8")
-        if self.rope_style not in ("neox", "gptj", "none"):
-            raise ValueError(f"rope_style must be neox, gptj or none, not {self.rope_style!r}")
+        # the config's rules (one place), for parameters built without a config;
+        # SemShareConfigError is a ValueError
+        check_lsh(self.bits, self.tables, self.rope_style)
 
     @property
     def total_bits(self) -> int:

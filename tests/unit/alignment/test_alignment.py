@@ -259,6 +259,14 @@ def test_alignment_config_keys():
         SemShareConfig.from_extra_config({"lsh_bits": 5, "lsh_tables": 1}, environ={})
 
 
+def test_lsh_params_built_directly_obey_the_config_rules():
+    # one rule (config.alignment.check_lsh) for the config's keys and for LshParams
+    with pytest.raises(SemShareConfigError, match="lsh_bits"):
+        LshParams(bits=5, tables=1)
+    with pytest.raises(SemShareConfigError, match="lsh_rope_style"):
+        LshParams(rope_style="alibi")
+
+
 # ---- real pairs --------------------------------------------------------------------------------
 def test_real_pairs(tok, table, splitter):
     """Cross-instruction, reordered and edited pairs of real text: the pipeline is consistent,

@@ -68,3 +68,17 @@ def test_the_configuration_page_documents_every_key():
     page = (Path(__file__).parents[3] / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(SemShareConfig):
         assert f"`{f.name}`" in page, f"docs/configuration.md does not document {f.name}"
+
+
+def test_each_section_validates_itself_and_the_config_is_their_union():
+    from semshare_vllm.config import SECTIONS, AlignmentConfig, SharingConfig
+    with pytest.raises(SemShareConfigError, match="lsh_bits"):
+        AlignmentConfig(lsh_bits=5, lsh_tables=1)
+    with pytest.raises(SemShareConfigError, match="shared_index_url"):
+        SharingConfig(shared_index_url="redis://h:6379")
+    cfg = SemShareConfig()
+    assert all(isinstance(cfg, section) for section in SECTIONS)
+    names = [f.name for section in SECTIONS for f in dataclasses.fields(section)]
+    assert names == [f.name for f in dataclasses.fields(SemShareConfig)]   # each key once
+    # flat access, and a section's keys read from the whole config
+    assert cfg.lookup_deadline_ms == 200 and cfg.stages() == ("exact", "edit", "sentence", "lsh")

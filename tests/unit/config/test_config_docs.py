@@ -12,7 +12,7 @@ FIELDS = [f.name for f in dataclasses.fields(SemShareConfig)]
 def test_the_committed_page_is_the_generated_one():
     committed = config_docs.DOCS_PATH.read_text(encoding="utf-8")
     assert committed == config_docs.render(), (
-        "docs/configuration.md is out of date with src/semshare_vllm/config.py: run "
+        "docs/configuration.md is out of date with src/semshare_vllm/config/: run "
         "`python -m semshare_vllm.config_docs` and commit the result")
 
 
