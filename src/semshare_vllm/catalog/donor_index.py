@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Sequence
 
 from semshare_vllm.catalog.eviction import EvictionPolicy
 from semshare_vllm.core.keys import DonorKey, block_hashes
-from semshare_vllm.discovery.ngrams import sample_grams
 
 if TYPE_CHECKING:
     from semshare_vllm.discovery.embedder import DocumentEmbedding
@@ -164,8 +163,8 @@ class DonorIndex:
             return False
         record.embedding, record.fingerprint = embedding, fingerprint
         if self.vectors is not None and not record.demoted:
-            self.vectors.add(key.namespace, key, embedding.vector, fingerprint,
-                             sample_grams(record.prompt_token_ids))
+            self.vectors.add_donor(key.namespace, key, embedding.vector, fingerprint,
+                                   record.prompt_token_ids)
         return True
 
     def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import numpy as np
 
-from semshare_vllm.discovery.ngrams import GramTable
+from semshare_vllm.discovery.ngrams import GramTable, sample_grams
 from semshare_vllm.discovery.simhash import hamming
 
 logger = logging.getLogger("vllm.semshare.index")
@@ -120,6 +120,12 @@ class VectorIndex:
         return table is not None and key in table.row_of
 
     # ---- mutation (scheduler thread) ----------------------------------------------------------
+    def add_donor(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int,
+                  token_ids: Sequence[int]) -> None:
+        """Add a donor with the sampled 4-grams of its prompt (the catalog calls this: how
+        prompts are sampled is discovery's business)."""
+        self.add(namespace, key, vector, fingerprint, sample_grams(token_ids))
+
     def add(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int,
             grams: np.ndarray | None = None) -> None:
         """Add a donor: its vector, SimHash and (optional) sampled 4-grams (``ngrams``)."""

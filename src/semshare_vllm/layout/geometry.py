@@ -16,14 +16,13 @@ are off. Any other quantised KV is ``unsupported``: a page copy would not carry 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from semshare_vllm.store import donor_file
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     dtype = getattr(spec, "dtype", torch.float32)
     declined, exact_only = kv_quantisation(vllm_config, spec)
     reason = reason or declined
-    fp = donor_file.fingerprint(str(vllm_config.model_config.model), str(dtype),
+    fp = fingerprint(str(vllm_config.model_config.model), str(dtype),
                                 list(layer_names), heads, head_size, spec.block_size,
                                 parallel.tensor_parallel_size, extra=kv_identity(vllm_config))
     return KVGeometry(layer_names, spec.block_size, heads, head_size, dtype,
@@ -205,3 +204,15 @@ def kv_identity(vllm_config) -> dict:
         "rope": rope,
         "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),
     })
+
+
+def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
+                head_size: int, block_size: int, tp_size: int, extra=None) -> str:
+    """A short id of everything the scheduler knows that must match for stored KV to be reusable.
+    ``extra``: anything else that changes the KV of the same tokens (the weights' identity,
+    quantisation, RoPE, the KV cache dtype: ``layout/geometry.py``), JSON-able with sorted keys."""
+    parts = [model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size]
+    if extra is not None:
+        parts.append(extra)
+    blob = json.dumps(parts, sort_keys=True)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()

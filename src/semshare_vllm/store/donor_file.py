@@ -46,18 +46,6 @@ class DonorHeader:
     checksum: str
 
 
-def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
-                head_size: int, block_size: int, tp_size: int, extra=None) -> str:
-    """A short id of everything the scheduler knows that must match for stored KV to be reusable.
-    ``extra``: anything else that changes the KV of the same tokens (the weights' identity,
-    quantisation, RoPE, the KV cache dtype: ``layout/geometry.py``), JSON-able with sorted keys."""
-    parts = [model, dtype, layer_names, num_kv_heads, head_size, block_size, tp_size]
-    if extra is not None:
-        parts.append(extra)
-    blob = json.dumps(parts, sort_keys=True)
-    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
-
-
 def donor_path(root: Path, donor_id: str, tp_rank: int, tp_size: int) -> Path:
     return root / f"{donor_id}.tp{tp_rank}of{tp_size}{SUFFIX}"
 
