@@ -41,7 +41,7 @@ def engine():
 
 
 def bench_for(worker, donor, target) -> BlendBench:
-    return BlendBench(worker.runner.model, worker.layout, worker.caches[0],
+    return BlendBench(worker.kv.repairer.runner.model, worker.kv.layout, worker.kv.caches[0],
                       list(worker.geometry.layer_names), donor, target)
 
 

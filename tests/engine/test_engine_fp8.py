@@ -45,7 +45,7 @@ def test_fp8_kv_is_served_by_exact_prefix_only(model, llm):
 
     sched, worker = offline.connector_halves(llm)
     assert sched.geometry.exact_only and "fp8" in sched.geometry.exact_only
-    assert sched.discovery is None and worker.runner is None and not worker.disabled
+    assert sched.discovery is None and worker.kv.repairer is None and not worker.disabled
     doc = wiki_document(4000, 1500)
     exact = ids(doc + "\n\nSummarize the passage above in one sentence:")
     moved = ids("Read this first.\n\n" + doc + "\n\nSummarize the passage above:")

@@ -69,7 +69,7 @@ def test_a_donor_serves_only_requests_with_its_own_lora_adapter(model, llm, adap
         return tok(text)["input_ids"]
 
     sched, worker = offline.connector_halves(llm)
-    assert worker.runner is None and not sched.recompute_ready     # no repair under LoRA
+    assert worker.kv.repairer is None and not sched.recompute_ready     # no repair under LoRA
     lora = LoRARequest("random", 1, adapter)
     doc = wiki_document(1300, 2000)
     a = ids(HEAD + doc + "\n\nQuestion: What is this article about? Answer:")

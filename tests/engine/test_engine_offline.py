@@ -77,7 +77,7 @@ def expected_claim(doc_len, prompt_len):
 
 def test_exact_prefix_hit_equals_cold(llm, sched, worker, cases, reference):
     a, b, doc_len = cases["hit"]
-    assert len(worker.stacks) == 1  # all layers in one buffer: block copies are one op each
+    assert len(worker.kv.stacks) == 1  # all layers in one buffer: block copies are one op each
     run(llm, a)
     hits, loaded = sched.stats.totals["hit_tokens"], worker.stats.totals["loaded_tokens"]
     copied = worker.stats.totals["block_copied_tokens"]
@@ -123,8 +123,8 @@ def test_poisoned_donor_changes_output(llm, sched, worker, cases, reference):
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])  # one more engine step: the capture of `a` starts...
     worker.flush_captures()  # ...and we wait for it
-    assert key in sched.index and key in worker.store
-    worker.store.pool[:, worker.store.blocks(key)] = 0
+    assert key in sched.index and key in worker.kv.store
+    worker.kv.store.pool[:, worker.kv.store.blocks(key)] = 0
     out = run(llm, b)
     assert out["num_cached_tokens"] > 0
     assert out["token_ids"] != reference[tuple(b)]["token_ids"]
@@ -137,10 +137,10 @@ def test_corrupt_persisted_donor_is_recomputed(llm, sched, worker, cases, refere
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
     worker.flush_captures()
-    worker.store.flush()
-    path = worker.store._path(key)
+    worker.kv.store.flush()
+    path = worker.kv.store._path(key)
     assert path.is_file()
-    worker.store.drop_memory(key)  # the next use must read the file
+    worker.kv.store.drop_memory(key)  # the next use must read the file
     raw = bytearray(path.read_bytes())
     raw[-4096:] = bytes(4096)  # same size, damaged data
     path.write_bytes(bytes(raw))
@@ -149,7 +149,7 @@ def test_corrupt_persisted_donor_is_recomputed(llm, sched, worker, cases, refere
     assert worker.stats.totals["load_failures"] == failures + 1
     assert out["token_ids"] == reference[tuple(b)]["token_ids"]
     assert key not in sched.index
-    worker.store.flush()
+    worker.kv.store.flush()
     assert not path.exists()
 
 
@@ -164,9 +164,10 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     worker.flush_captures()
     from semshare_vllm.layout.kv_layout import read_range
 
-    pages = worker.store.pool[:, worker.store.blocks(key)]  # [layers, blocks, H, N, 2D], CPU order
+    # [layers, blocks, H, N, 2D], CPU order
+    pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    stored = torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, len(a)))
+    stored = torch.stack([torch.stack(read_range(worker.kv.layout.view(p), blocks, 0, len(a)))
                           for p in pages])  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():

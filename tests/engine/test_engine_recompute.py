@@ -77,36 +77,36 @@ def captured(llm, worker, cases, prompt):
     key = DonorKey("", donor_id_for("", prompt + out["token_ids"][:-1]))
     run(llm, cases["filler"])   # one more step starts the capture...
     worker.flush_captures()     # ...which we wait for
-    assert key in worker.store
+    assert key in worker.kv.store
     return key
 
 
 def donor_kv(worker, key, n):
     """[layers, 2, n, H, D] of a stored donor (the KV vLLM computed)."""
-    pages = worker.store.pool[:, worker.store.blocks(key)]
+    pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    return torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, n))
+    return torch.stack([torch.stack(read_range(worker.kv.layout.view(p), blocks, 0, n))
                         for p in pages])
 
 
 def private_caches(worker, num_blocks):
     """Empty paged caches shaped like the engine's, one per layer, named like its layers."""
     names = list(worker.geometry.layer_names)
-    shape = (num_blocks, *worker.caches[0].shape[1:])
-    return {n: torch.zeros(shape, dtype=worker.caches[0].dtype) for n in names}, names
+    shape = (num_blocks, *worker.kv.caches[0].shape[1:])
+    return {n: torch.zeros(shape, dtype=worker.kv.caches[0].dtype) for n in names}, names
 
 
 def cache_kv(worker, caches, names, blocks, n):
-    return torch.stack([torch.stack(read_range(worker.layout.view(caches[name]), blocks, 0, n))
+    return torch.stack([torch.stack(read_range(worker.kv.layout.view(caches[name]), blocks, 0, n))
                         for name in names])
 
 
 def test_model_hook_reaches_the_loaded_model(llm, worker):
     assert any(name.endswith("CPUModelRunner") for name in model_hook.installed())
-    assert isinstance(worker.runner, LayerRunner)
-    assert worker.runner.model is model_hook.loaded_model(worker._vllm_config)
-    assert type(worker.runner.model).__name__ == "LlamaForCausalLM"
-    assert len(worker.runner.layers) in (2, 30)
+    assert isinstance(worker.kv.repairer.runner, LayerRunner)
+    assert worker.kv.repairer.runner.model is model_hook.loaded_model(worker._vllm_config)
+    assert type(worker.kv.repairer.runner.model).__name__ == "LlamaForCausalLM"
+    assert len(worker.kv.repairer.runner.layers) in (2, 30)
 
 
 def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases):
@@ -117,7 +117,7 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
     needed = -(-n // worker.geometry.block_size)
     caches, names = private_caches(worker, num_blocks=needed + 3)   # 3 blocks stay unused
     blocks = np.random.default_rng(0).permutation(needed + 3)[:needed].tolist()  # scattered
-    runner = LayerRunner(worker.runner.model, caches, worker.layout)
+    runner = LayerRunner(worker.kv.repairer.runner.model, caches, worker.kv.layout)
     runner.recompute(prompt, blocks, np.arange(n))            # every position, over zeros
     got = cache_kv(worker, caches, names, blocks, n)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
@@ -125,17 +125,17 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
     # Garble a subset, recompute just it: exact again; no other slot of any block is written.
     subset = np.sort(np.random.default_rng(1).choice(n, n // 5, replace=False))
     for name in names:
-        k, v = read_range(worker.layout.view(caches[name]), blocks, 0, n)
+        k, v = read_range(worker.kv.layout.view(caches[name]), blocks, 0, n)
         k[subset], v[subset] = torch.randn_like(k[subset]), torch.randn_like(v[subset])
-        write_range(worker.layout.view(caches[name]), blocks, 0, k, v)
+        write_range(worker.kv.layout.view(caches[name]), blocks, 0, k, v)
     before = {name: c.clone() for name, c in caches.items()}
     runner.recompute(prompt, blocks, subset, context=n)
     torch.testing.assert_close(cache_kv(worker, caches, names, blocks, n), want,
                                atol=2e-4, rtol=1e-3)
     untouched = np.setdiff1d(np.arange(n), subset)
     for name in names:
-        k0, v0 = read_range(worker.layout.view(before[name]), blocks, 0, n)
-        k1, v1 = read_range(worker.layout.view(caches[name]), blocks, 0, n)
+        k0, v0 = read_range(worker.kv.layout.view(before[name]), blocks, 0, n)
+        k1, v1 = read_range(worker.kv.layout.view(caches[name]), blocks, 0, n)
         assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched],
                                                                          v1[untouched])
         unused = sorted(set(range(len(caches[name]))) - set(blocks))
@@ -146,21 +146,22 @@ def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, refer
                                                       monkeypatch):
     a, b = cases["poison"]
     key = captured(llm, worker, cases, a)
-    worker.store.pool[:, worker.store.blocks(key)] = 0        # the donor's KV is now garbage
+    worker.kv.store.pool[:, worker.kv.store.blocks(key)] = 0        # the donor's KV is now garbage
     recomputed = worker.stats.totals["recomputed_tokens"]
     # Watch every recompute: no block outside the loaded range of the request may change.
     seen = []
-    original = worker.runner.recompute
+    original = worker.kv.repairer.runner.recompute
 
     def watched(token_ids, block_ids, selection, context=None, final_hidden=False):
-        before = [c.clone() for c in worker.caches]
+        before = [c.clone() for c in worker.kv.caches]
         result = original(token_ids, block_ids, selection, context, final_hidden)
         first = int(selection.start()[0]) // worker.geometry.block_size
         mine = set(block_ids[first:-(-context // worker.geometry.block_size)])
-        others = [i for i in range(len(worker.caches[0])) if i not in mine]
-        seen.append(all(torch.equal(x[others], y[others]) for x, y in zip(before, worker.caches)))
+        others = [i for i in range(len(worker.kv.caches[0])) if i not in mine]
+        seen.append(all(torch.equal(x[others], y[others])
+                        for x, y in zip(before, worker.kv.caches)))
         return result
-    monkeypatch.setattr(worker.runner, "recompute", watched)
+    monkeypatch.setattr(worker.kv.repairer.runner, "recompute", watched)
     out = run(llm, b)
     assert seen == [True]
     assert out["num_cached_tokens"] > 0.8 * (len(b) - 20)
@@ -178,7 +179,7 @@ def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases)
 
     donor, target = cases["kv"]
     target = target[:40] + target                  # another, longer head
-    bench = BlendBench(worker.runner.model, worker.layout, worker.caches[0],
+    bench = BlendBench(worker.kv.repairer.runner.model, worker.kv.layout, worker.kv.caches[0],
                        list(worker.geometry.layer_names), donor, target)
     assert bench.alignment.coverage > 0.8
     n = len(target)

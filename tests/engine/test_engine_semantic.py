@@ -123,8 +123,8 @@ def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(llm, sch
     out = run(llm, prompts["gone_a"])
     key = DonorKey("", donor_id_for("", prompts["gone_a"] + out["token_ids"][:-1]))
     donor_ready(llm, sched, worker, prompts["c"])
-    assert key in sched.index and key in worker.store
-    worker.store.drop(key)           # the worker lost it; the scheduler does not know yet
+    assert key in sched.index and key in worker.kv.store
+    worker.kv.store.drop(key)           # the worker lost it; the scheduler does not know yet
     failures = worker.stats.totals.get("load_failures", 0)
     hits = sched.stats.totals.get("semantic_hits", 0)
     got = run(llm, prompts["gone_b"])

@@ -108,11 +108,11 @@ def test_a_failed_load_then_abort_leaves_no_unwritten_kv_for_the_next_request(ll
     donor = gen(llm, a)
     settle(llm, halves, prompts["filler"])
     key = DonorKey("", donor_id_for("", a + donor["token_ids"][:-1]))
-    assert key in worker.store
+    assert key in worker.kv.store
     assert llm.reset_prefix_cache()       # vLLM forgets the document: only our donor has it
-    for cache in worker.caches:
+    for cache in worker.kv.caches:
         cache.zero_()                     # what never-written blocks hold in this test
-    worker.store.drop(key)                # the donor is gone: its (exact) load fails
+    worker.kv.store.drop(key)                # the donor is gone: its (exact) load fails
     failures = count(halves, "load_failures")
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,

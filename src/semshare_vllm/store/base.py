@@ -33,13 +33,5 @@ class DonorKVStore(ABC):
         """Rows ``[start, end)`` of the donor (``end``: its last token), or None when the store
         does not hold all of them."""
 
-    @abstractmethod
-    def contains(self, key: DonorKey, token_ids: Sequence[int]) -> bool:
-        """Whether ``get`` of the whole donor would find it."""
-
-    @abstractmethod
-    def evict(self, key: DonorKey, token_ids: Sequence[int]) -> None:
-        """Forget the donor (no error when it is not there)."""
-
     def close(self) -> None:  # noqa: B027 (optional: stores holding nothing need not)
         """Release what the store holds (threads, connections, memory)."""

@@ -4,7 +4,7 @@ a directory.
 The pool is one tensor ``[layers, pool_blocks, kv_heads, block_size, C]`` in the attention
 backend's own page layout (``layout`` names it). It is allocated and touched once, at start-up,
 like vLLM's own KV cache: a capture is then a block gather into pages that are already resident
-(page faults on fresh host memory made captures ~6x slower), and pinned on GPU machines so the
+(page faults on fresh host memory would slow every capture), and pinned on GPU machines so the
 copy can run asynchronously. A donor owns a list of pool blocks, keyed by (namespace, donor id).
 
 The scheduler's ``DonorIndex`` decides what stays (it does the byte accounting, against the
@@ -13,9 +13,11 @@ pool runs out, so a disagreement costs a miss, never memory. Only the engine thr
 and frees blocks. Disk writes run on a background thread, in submission order; a donor not in
 memory is read back (and checksum-verified) on first use. Files carry the tensor-parallel rank.
 
-The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``); the
-``DonorKVStore`` methods (``put``/``get``/``contains``/``evict``, KV as rows) are what the host
-store shares with LMCache (``base.py``), through the pool's ``PageAddressing``.
+The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``): a donor
+allocated is being written (its copy in flight on another thread) until ``finish_write`` or
+``abort_write``, and is never evicted meanwhile. The ``DonorKVStore`` methods (``put``/``get``,
+KV as rows) are what the host store shares with LMCache (``base.py``), through the pool's
+``PageAddressing``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class HostKVStore(DonorKVStore):
         self.capacity_bytes = num_blocks * self.block_bytes
         self._free: deque[int] = deque(range(num_blocks))
         self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
+        self._writing: set[DonorKey] = set()   # allocated, their copy in flight: never victims
         self._disk_q: queue.Queue | None = None
         self._writer: threading.Thread | None = None
         if persist_root is not None:
@@ -96,12 +99,28 @@ class HostKVStore(DonorKVStore):
             self._writer.start()
 
     # ---- memory (engine thread only) ----------------------------------------------------------
-    def allocate(self, key: DonorKey, num_blocks: int, pinned=frozenset()) -> list[int]:
-        """Pool blocks for a new donor, evicting least recently used donors (never ``pinned``
-        ones: their copies are in flight) from memory if needed. Raises DonorUnavailable when
-        that cannot make room."""
+    def allocate(self, key: DonorKey, num_blocks: int) -> list[int]:
+        """Pool blocks for a new donor, which the caller writes: the donor is being written
+        (never evicted) until ``finish_write`` or ``abort_write``. Raises DonorUnavailable when
+        the pool cannot make room."""
+        blocks = self._take_blocks(key, num_blocks)
+        self._writing.add(key)
+        return blocks
+
+    def finish_write(self, key: DonorKey) -> None:
+        """The donor's blocks are written: it may be evicted from now on."""
+        self._writing.discard(key)
+
+    def abort_write(self, key: DonorKey) -> None:
+        """The donor's write failed: its blocks are freed."""
+        self._writing.discard(key)
         self.drop_memory(key)
-        victims = (k for k in list(self._donors) if k not in pinned)
+
+    def _take_blocks(self, key: DonorKey, num_blocks: int) -> list[int]:
+        """Pool blocks for the donor, evicting least recently used donors (never those being
+        written) from memory if needed."""
+        self.drop_memory(key)
+        victims = (k for k in list(self._donors) if k not in self._writing)
         while len(self._free) < num_blocks:
             victim = next(victims, None)
             if victim is None:
@@ -113,7 +132,7 @@ class HostKVStore(DonorKVStore):
         self._donors[key] = blocks
         return blocks
 
-    def blocks(self, key: DonorKey, pinned=frozenset()) -> list[int]:
+    def blocks(self, key: DonorKey) -> list[int]:
         """The pool blocks holding the donor; read from disk first if it is not in memory."""
         blocks = self._donors.get(key)
         if blocks is not None:
@@ -132,7 +151,7 @@ class HostKVStore(DonorKVStore):
         if header.layout != self.layout or pages.shape[2:] != self.pool.shape[2:]:
             raise DonorUnavailable(f"{path}: page layout {header.layout}, this engine has "
                                    f"{self.layout}")
-        blocks = self.allocate(key, pages.shape[1], pinned)
+        blocks = self._take_blocks(key, pages.shape[1])
         if self.pool.is_pinned():  # reused blocks may still feed an asynchronous upload
             torch.cuda.current_stream().synchronize()
         self.pool[:, blocks] = pages
@@ -156,10 +175,10 @@ class HostKVStore(DonorKVStore):
         return key in self._donors
 
     # ---- DonorKVStore: KV as rows (engine thread only) ----------------------------------------
-    def put(self, key: DonorKey, token_ids, rows: torch.Tensor, pinned=frozenset()) -> bool:
+    def put(self, key: DonorKey, token_ids, rows: torch.Tensor) -> bool:
         num = rows.shape[1]
         try:
-            blocks = self.allocate(key, -(-num // self.block_size), pinned)
+            blocks = self._take_blocks(key, -(-num // self.block_size))
             gather_rearrange(rows, torch.arange(num), slots_for(blocks, 0, num, self.block_size),
                              list(self.pool), self._addressing())
         except DonorUnavailable as exc:
@@ -180,13 +199,6 @@ class HostKVStore(DonorKVStore):
             return None
         return stage_rows(self.pool, slots_for(blocks, start, end, self.block_size),
                           self._addressing())
-
-    def contains(self, key: DonorKey, token_ids) -> bool:
-        path = self._path(key)
-        return key in self._donors or (path is not None and path.exists())
-
-    def evict(self, key: DonorKey, token_ids) -> None:
-        self.drop(key)
 
     def _addressing(self) -> PageAddressing:
         if self.addressing is None:

@@ -55,7 +55,6 @@ logger = logging.getLogger("vllm.semshare.lmcache")
 
 LMCACHE_VERSION = "0.5.6"
 NAMESPACE_TAG = "lmcache.tag.semshare_ns"
-_LOCAL = "LocalCPUBackend"
 _ids = itertools.count()
 
 
@@ -168,25 +167,6 @@ class LMCacheKVStore(DonorKVStore):
             finally:
                 obj.ref_count_down()
         return self._to_rows(torch.cat(parts, dim=2)) if parts else None
-
-    def contains(self, key: DonorKey, token_ids: Sequence[int]) -> bool:
-        manager = self.engine.storage_manager
-        return all(manager.contains(k) is not None for _, _, k in self._keys(key, token_ids))
-
-    def evict(self, key: DonorKey, token_ids: Sequence[int]) -> None:
-        keys = [k for _, _, k in self._keys(key, token_ids)]
-        self.engine.storage_manager.batched_remove(keys, locations=[_LOCAL])
-        if self._redis is not None:        # LMCache's Redis connector cannot remove
-            try:
-                # a put still in flight would land after the delete: let it land first
-                if keys and self.engine.storage_manager.contains(keys[-1]) is not None:
-                    self.visible(key, token_ids, timeout_s=2.0)
-                names = [n for k in keys for n in (k.to_string() + "kv_bytes",
-                                                   k.to_string() + "metadata")]
-                self._redis.delete(*names)
-            except Exception as exc:
-                logger.warning("SemShare: could not remove donor %s from %s: %s",
-                               key.donor_id, self.remote_url, exc)
 
     def visible(self, key: DonorKey, token_ids: Sequence[int], timeout_s: float = 5.0) -> bool:
         """Wait until the donor's chunks are readable from the remote backend (its puts are

@@ -24,6 +24,6 @@ out = offline.run(llm, job["prompt"], job["max_tokens"])
 if job.get("capture"):
     offline.run(llm, job["filler"], 2)     # one more step: the capture starts...
     worker.flush_captures()                # ...and is written to disk
-    worker.store.flush()
+    worker.kv.store.flush()
 print(json.dumps({"out": out, "restored": restored, "fingerprint": sched.geometry.fingerprint,
                   "scheduler": dict(sched.stats.totals), "worker": dict(worker.stats.totals)}))

@@ -345,7 +345,7 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     from semshare_vllm.metadata import LoadSpec
     from semshare_vllm.stats import StatsRecorder
     from semshare_vllm.store.host_store import DonorUnavailable
-    from semshare_vllm.worker import SemShareWorker
+    from semshare_vllm.worker.tier import Tier
 
     rows = torch.randn(2, 40, 2, 8, generator=torch.Generator().manual_seed(1))
     tampered = rows.clone()
@@ -355,16 +355,16 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
         def __init__(self):
             self.held = None
 
-        def blocks(self, key, capturing):
+        def blocks(self, key):
             if self.held is None:
                 raise DonorUnavailable("not here")
             return [3, 4]
 
-        def put(self, key, tokens, fetched, capturing):
+        def put(self, key, tokens, fetched):
             self.held = fetched
             return True
 
-    class Tier:
+    class LMCache:
         dtype = torch.float32
 
         def __init__(self, fetched):
@@ -377,37 +377,35 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     expected = ["0" * 64, kv_digest(rows)]        # this worker is rank 1
 
     def fetch(fetched, digests):
-        worker = SemShareWorker.__new__(SemShareWorker)
-        worker.store, worker.tier, worker.stats = Store(), Tier(fetched), StatsRecorder()
-        worker._capturing, worker._tier_digests = {}, {DonorKey("", did(1)): kv_digest(rows)}
+        tier, host = Tier(LMCache(fetched), StatsRecorder()), Store()
+        tier.digests = {DonorKey("", did(1)): kv_digest(rows)}
         spec = LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0], donor_token_ids=list(range(40)),
                         donor_kv_digests=digests)
         try:
-            return worker._donor_blocks(spec), worker
+            return tier.fetch(spec, host), tier, host
         except DonorUnavailable:
-            return None, worker
+            return None, tier, host
 
-    blocks, worker = fetch(rows, expected)
-    assert blocks == [3, 4] and worker.stats.totals["tier_fetches"] == 1
+    blocks, tier, host = fetch(rows, expected)
+    assert blocks == [3, 4] and tier.stats.totals["tier_fetches"] == 1
     for fetched, digests in [(tampered, expected),            # other KV under the donor's keys
                              (rows, expected[::-1]),          # another rank's digest
                              (rows, expected[:1])]:           # no digest for this rank
-        blocks, worker = fetch(fetched, digests)
-        assert blocks is None and worker.store.held is None   # never enters the host store
-        assert worker.stats.totals["tier_digest_mismatches"] == 1
-        assert worker.stats.totals["tier_fetches"] == 0
+        blocks, tier, host = fetch(fetched, digests)
+        assert blocks is None and host.held is None           # never enters the host store
+        assert tier.stats.totals["tier_digest_mismatches"] == 1
+        assert tier.stats.totals["tier_fetches"] == 0
     # this instance's own donor, fetched back: checked against the digest this rank recorded
-    blocks, worker = fetch(rows, None)
+    blocks, tier, host = fetch(rows, None)
     assert blocks == [3, 4]
-    blocks, worker = fetch(tampered, None)
-    assert blocks is None and worker.stats.totals["tier_digest_mismatches"] == 1
-    blocks, worker = fetch(rows, None)
-    worker._tier_digests.clear()                     # nothing recorded: not used either
+    blocks, tier, host = fetch(tampered, None)
+    assert blocks is None and tier.stats.totals["tier_digest_mismatches"] == 1
+    blocks, tier, host = fetch(rows, None)
+    tier.digests.clear()                             # nothing recorded: not used either
     assert blocks == [3, 4]
-    worker.store = Store()
     try:
-        worker._donor_blocks(LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0],
-                                      donor_token_ids=list(range(40))))
+        tier.fetch(LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0],
+                            donor_token_ids=list(range(40))), Store())
         raise AssertionError("a donor with no digest to compare with was used")
     except DonorUnavailable:
         pass

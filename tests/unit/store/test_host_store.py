@@ -26,18 +26,33 @@ def test_pool_is_preallocated_and_lru_evicts():
     keys = [DonorKey("", f"d{i}") for i in range(3)]
     a = s.allocate(keys[0], 2)
     s.allocate(keys[1], 2)
+    s.finish_write(keys[0])
+    s.finish_write(keys[1])
     s.blocks(keys[0])  # most recent now
     s.allocate(keys[2], 2)  # needs a victim: keys[1]
     assert keys[0] in s and keys[2] in s and keys[1] not in s
     assert s.blocks(keys[0]) == a
     with pytest.raises(DonorUnavailable):
         s.blocks(keys[1])
-    # A donor whose copy is in flight is never a victim; too big is refused, not half-stored.
-    with pytest.raises(DonorUnavailable):
-        s.allocate(DonorKey("", "big"), 4, pinned={keys[0], keys[2]})
-    assert keys[0] in s and keys[2] in s
     with pytest.raises(DonorUnavailable):
         s.allocate(DonorKey("", "huge"), 6)
+
+
+def test_a_donor_being_written_is_never_evicted():
+    """A donor whose copy is in flight (allocated, its write not finished) is never a victim;
+    too big is refused, not half-stored. A write that fails frees its blocks."""
+    s = store(5)
+    keys = [DonorKey("", f"d{i}") for i in range(2)]
+    for key in keys:
+        s.allocate(key, 2)
+    with pytest.raises(DonorUnavailable):
+        s.allocate(DonorKey("", "big"), 4)
+    assert keys[0] in s and keys[1] in s
+    s.finish_write(keys[0])            # written: now it may go
+    s.allocate(DonorKey("", "big"), 3)
+    assert keys[0] not in s and keys[1] in s
+    s.abort_write(keys[1])
+    assert keys[1] not in s and s.used_bytes == 3 * s.block_bytes
 
 
 def test_persist_roundtrip_and_drop(tmp_path):

@@ -53,11 +53,19 @@ def store(request):
     s.close()
 
 
+def drop(store, key) -> bool:
+    """Forget the donor where the store can be told to (the host store; LMCache evicts by its
+    own policy): whether it was."""
+    if store.name != "host":
+        return False
+    store.drop(key)
+    return True
+
+
 def test_a_donor_comes_back_whole_and_by_range(store):
     key, toks, kv = DonorKey("", "d1"), tokens(53), rows(53)
-    assert not store.contains(key, toks) and store.get(key, toks) is None
+    assert store.get(key, toks) is None
     store.put(key, toks, kv)
-    assert store.contains(key, toks)
     assert torch.equal(store.get(key, toks), kv)                    # bit-exact
     for start, end in [(0, 16), (5, 40), (16, 32), (47, 53)]:     # inside and across chunks
         assert torch.equal(store.get(key, toks, start, end), kv[:, start:end])
@@ -68,11 +76,11 @@ def test_evicted_unknown_and_other_donors(store):
     ta, tb = tokens(40, 1), tokens(20, 2)
     store.put(a, ta, rows(40, 1))
     store.put(b, tb, rows(20, 2))
-    store.evict(a, ta)
-    assert not store.contains(a, ta) and store.get(a, ta) is None
+    if drop(store, a):
+        assert store.get(a, ta) is None
     assert torch.equal(store.get(b, tb), rows(20, 2))
     assert store.get(DonorKey("", "never"), tokens(30, 3)) is None
-    store.evict(DonorKey("", "never"), tokens(30, 3))               # no error
+    drop(store, DonorKey("", "never"))                              # no error
 
 
 def test_namespaces_never_share_a_donor(store):
@@ -81,7 +89,7 @@ def test_namespaces_never_share_a_donor(store):
     store.put(DonorKey("tenant-b", "x2"), toks, rows(48, 6))
     assert torch.equal(store.get(DonorKey("tenant-a", "x"), toks), rows(48, 5))
     assert torch.equal(store.get(DonorKey("tenant-b", "x2"), toks), rows(48, 6))
-    assert not store.contains(DonorKey("tenant-c", "x"), toks) or store.name == "host"
+    assert store.get(DonorKey("tenant-c", "x"), toks) is None
 
 
 def test_namespace_tags_are_one_to_one(store):
@@ -93,9 +101,9 @@ def test_namespace_tags_are_one_to_one(store):
     store.put(dash, toks, rows(48, 14))
     assert torch.equal(store.get(empty, toks), rows(48, 13))
     assert torch.equal(store.get(dash, toks), rows(48, 14))
-    store.evict(dash, toks)
-    assert store.get(dash, toks) is None and not store.contains(dash, toks)
-    assert store.contains(empty, toks) and torch.equal(store.get(empty, toks), rows(48, 13))
+    if drop(store, dash):
+        assert store.get(dash, toks) is None
+    assert torch.equal(store.get(empty, toks), rows(48, 13))
     odd = DonorKey("a b|c:d\n\u00e9", "o")              # safe inside LMCache's key strings
     store.put(odd, toks, rows(48, 15))
     assert torch.equal(store.get(odd, toks), rows(48, 15))
@@ -146,7 +154,7 @@ def test_a_redis_outage_costs_misses_not_errors():
         key, toks = DonorKey("", "outage"), tokens(40, 8)
         server.stop()
         writer.put(key, toks, rows(40, 8))                  # no error
-        assert reader.get(key, toks) is None and not reader.contains(key, toks)
+        assert reader.get(key, toks) is None
         server.start()                                      # back: reuse resumes
         writer.put(key, toks, rows(40, 9))
         assert writer.visible(key, toks)

@@ -1,0 +1,152 @@
+"""The worker half (each worker process): the callbacks vLLM makes, each delegating to one part.
+
+Per step, in ``start_load_kv``: drop evicted donors, take new captures (``capture.py``), then
+load claimed tokens into the requests' fresh blocks (``loads.py``, repaired by ``repair.py``),
+and report the claims the scheduler could not plan as failed. After the forward pass
+(``start_captures``, from ``wait_for_save``) the captures start in the background. What goes
+back to vLLM and the scheduler is gathered in one ``WorkerReport`` (``reports.py``).
+
+Nothing here may fail a request: expected failures (a donor missing, the pool full) are handled
+where they happen; any other fault is stopped at the callback (``logs.guarded``), and a load it
+interrupts is reported failed, so that vLLM computes those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.layout.geometry import KVGeometry
+from semshare_vllm.logs import guarded
+from semshare_vllm.metadata import (
+    CaptureSpec,
+    LoadSpec,
+    SemShareConnectorMetadata,
+    SemShareWorkerMetadata,
+)
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.worker import setup
+from semshare_vllm.worker.capture import Captures
+from semshare_vllm.worker.loads import Loads
+from semshare_vllm.worker.reports import WorkerReport
+from semshare_vllm.worker.setup import WorkerKV
+
+logger = logging.getLogger("vllm.semshare.worker")
+
+
+class SemShareWorker:
+    logger = logger   # for logs.guarded
+
+    def __init__(self, config: SemShareConfig, geometry: KVGeometry, vllm_config):
+        self.config = config
+        self.geometry = geometry
+        self._vllm_config = vllm_config
+        self.stats = StatsRecorder()
+        self.report = WorkerReport(geometry.block_size)
+        self.disabled: str | None = geometry.unsupported
+        self.kv: WorkerKV | None = None   # what register_kv_caches built
+        self._closed = False
+        self._assemble()
+
+    def _assemble(self) -> None:
+        """The parts over ``self.kv`` (None: they refuse every capture and load)."""
+        off = self.disabled or "no host store"
+        self.captures = Captures(self.kv, off, self.stats, self.report)
+        self.loads = Loads(self.kv, off, self.captures, self.config, self._vllm_config,
+                           self.stats, self.report)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.disabled:
+            return
+        try:
+            self.kv = setup.build(kv_caches, self.config, self.geometry, self._vllm_config,
+                                  self.stats)
+        except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self.report.disabled = self.disabled   # the scheduler then stops claiming
+            logger.warning("SemShare disabled on this worker (requests are computed as usual; "
+                           "the scheduler stops claiming): %s", self.disabled)
+            self._assemble()
+            return
+        self._assemble()
+        self.report.capacity = self.kv.store.capacity_bytes
+        self.report.recompute_ready = self.kv.repairer is not None
+
+    # ---- per step -----------------------------------------------------------------------------
+    def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
+        for key in meta.evictions:
+            self._evict(key)
+        for spec in meta.captures:
+            self._capture(spec)
+        for spec in meta.loads:
+            self._load(spec)
+        for failed in meta.failed_loads:
+            self.loads.fail(failed)
+
+    @guarded("dropping an evicted donor")
+    def _evict(self, key: DonorKey) -> None:
+        self.captures.settle(key)
+        if self.kv is not None:
+            if self.kv.tier is not None:
+                self.kv.tier.forget(key)
+            self.kv.store.drop(key)
+
+    @guarded("taking a capture", on_fault="_release")
+    def _capture(self, spec: CaptureSpec) -> None:
+        self.captures.take(spec)
+
+    def _release(self, spec: CaptureSpec) -> None:
+        self.report.finished_sending.add(spec.req_id)   # vLLM must free its blocks anyway
+        self.report.bad_donors.append(spec.key)         # and the scheduler forget the donor
+
+    @guarded("loading a donor", on_fault="_unload")
+    def _load(self, spec: LoadSpec) -> None:
+        self.loads.load(spec)
+
+    def _unload(self, spec: LoadSpec) -> None:
+        self.loads.invalidate(spec)   # vLLM counts these tokens as loaded: it must recompute
+
+    @guarded("starting captures")
+    def start_captures(self) -> None:
+        """After the forward pass: copy this step's new donors out in the background."""
+        self.captures.start()
+
+    # ---- reports back to vLLM and the scheduler -----------------------------------------------
+    @guarded("reporting finished captures", (None, None))
+    def get_finished(self, finished_req_ids: set[str] = frozenset()
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM sends a request's capture in the step that reports it finished: taken above
+        self.captures.reap()
+        return self.report.take_finished(finished_req_ids), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.report.take_invalid_blocks()
+
+    @guarded("reporting to the scheduler")
+    def build_worker_meta(self) -> SemShareWorkerMetadata | None:
+        if self.kv is not None and self.kv.tier is not None:
+            self.kv.tier.reap()
+        return self.report.take_worker_meta()
+
+    # ---- end ----------------------------------------------------------------------------------
+    def flush_captures(self) -> None:
+        """Wait for every capture in flight, and its tier put (tests, shutdown)."""
+        self.captures.flush()
+        if self.kv is not None and self.kv.tier is not None:
+            self.kv.tier.flush()
+
+    def shutdown(self) -> None:
+        # vLLM may call this twice (explicitly, then from a finalizer at exit): the second
+        # call must not submit to the capture thread it already shut down.
+        if self._closed:
+            return
+        self._closed = True
+        self.flush_captures()
+        self.captures.close()
+        if self.kv is not None:
+            if self.kv.tier is not None:
+                self.kv.tier.close()
+            self.kv.store.close()

@@ -1,0 +1,139 @@
+"""Loads: donor KV written into the fresh blocks of a request that claimed it.
+
+An exact load copies the donor's tokens as they are (``copy_tokens``); a semantic load moves
+each aligned donor row to its own position, K re-rotated (``gather_rearrange`` with RoPE), and
+is then repaired (``repair.py``). The donor is read from the host store, from its own blocks
+while it is still being captured, or from the LMCache tier when only that holds it.
+
+A load that cannot be done reports its blocks through ``get_block_ids_with_load_errors``, so
+vLLM recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.kernels import gather_rearrange, stage_rows
+from semshare_vllm.layout.kv_layout import copy_tokens, slots_for
+from semshare_vllm.logs import warn_once
+from semshare_vllm.metadata import FailedLoad, LoadSpec
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.store.host_store import DonorUnavailable
+from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
+from semshare_vllm.worker.capture import Captures
+from semshare_vllm.worker.repair import repair
+from semshare_vllm.worker.reports import WorkerReport
+from semshare_vllm.worker.setup import WorkerKV
+
+logger = logging.getLogger("vllm.semshare.worker")
+
+
+class Loads:
+    """``kv`` None: this worker holds no store (off), so every load fails for ``off``."""
+
+    def __init__(self, kv: WorkerKV | None, off: str, captures: Captures,
+                 config: SemShareConfig, vllm_config, stats: StatsRecorder,
+                 report: WorkerReport):
+        self.kv, self.off, self.captures = kv, off, captures
+        self.config, self._vllm_config = config, vllm_config
+        self.stats, self.report = stats, report
+
+    def load(self, spec: LoadSpec) -> None:
+        if spec.mark_logprobs_until and not mark_served_rows(
+                model_hook.loaded_runner(self._vllm_config), spec.req_id,
+                spec.mark_logprobs_until):
+            # no rows to mark (another runner): vLLM computes, and scores, every position
+            warn_once(logger, "logprobs", "SemShare: cannot mark the prompt logprobs of request "
+                      "%s; its prompt is computed", spec.req_id)
+            self.invalidate(spec)
+            self.stats.add("load_failures")
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.kv is None:
+                raise DonorUnavailable(self.off)
+            held = self.captures.held(spec.key)
+            if held is not None:  # still in its own blocks: copy block to block
+                donor_tokens, donor_blocks = len(held.token_ids), held.block_ids
+            else:
+                donor_blocks = self._donor_blocks(spec)
+                donor_tokens = len(donor_blocks) * self.kv.block_size
+            if spec.donor_pos is not None:
+                self._move_aligned(spec, donor_blocks, donor_tokens, held is not None)
+            else:
+                self._copy_exact(spec, donor_blocks, donor_tokens, held is not None)
+        except Exception as exc:
+            warn_once(logger, "load", "SemShare: loading donor %s for request %s failed (%s); "
+                      "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
+            self.invalidate(spec)
+            self.report.bad_donors.append(spec.key)
+            self.stats.add("load_failures")
+            return
+        self.stats.add("loaded_tokens", spec.num_tokens)
+        if held is not None:
+            self.stats.add("block_copied_tokens", spec.num_tokens)
+        self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
+        if spec.policy != "none":
+            repair(self.kv.repairer, spec, self.config, self.stats, self.report)
+
+    def fail(self, failed: FailedLoad) -> None:
+        """A claim the scheduler could not plan: nothing is loaded, vLLM computes it."""
+        self.report.fail_load(failed.req_id, failed.block_ids, failed.start, failed.num_tokens)
+        self.stats.add("load_failures")
+
+    def invalidate(self, spec: LoadSpec) -> None:
+        """Report the loaded range's blocks as failed: vLLM recomputes those tokens."""
+        self.report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
+
+    def _donor_blocks(self, spec: LoadSpec) -> list[int]:
+        """The donor's host-store blocks; fetched from the LMCache tier into the host store
+        first when the store does not hold it."""
+        try:
+            return self.kv.store.blocks(spec.key)
+        except DonorUnavailable:
+            if self.kv.tier is None or not spec.donor_token_ids:
+                raise
+        return self.kv.tier.fetch(spec, self.kv.store)
+
+    def _copy_exact(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
+                    from_cache: bool) -> None:
+        if donor_tokens < spec.src_start + spec.num_tokens:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+        for layers, stack in self.kv.stacks:
+            src = stack if from_cache else self.kv.store.pool[layers]
+            copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
+                        spec.dst_start, spec.num_tokens, self.kv.layout)
+
+    def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
+                      from_cache: bool) -> None:
+        """Semantic load: each aligned position takes its donor row, K RoPE-corrected from the
+        donor's position to its own (``kernels.gather_rearrange``); unaligned positions are left
+        for the recompute, which redoes them in every layer."""
+        repairer = self.kv.repairer
+        if repairer is None:
+            raise DonorUnavailable("no layer runner to repair a semantic load")
+        donor_pos = np.asarray(spec.donor_pos, dtype=np.int64)
+        aligned = np.flatnonzero(donor_pos >= 0)
+        if not len(aligned):
+            return
+        rows, src_rows = np.unique(donor_pos[aligned], return_inverse=True)
+        if rows[-1] >= donor_tokens:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the alignment")
+        bs = self.kv.block_size
+        donor_slots = slots_for(donor_blocks, 0, int(rows[-1]) + 1, bs)[rows]
+        target_pos = spec.dst_start + aligned
+        dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens,
+                              bs)[target_pos]
+        src = torch.as_tensor(src_rows)
+        for layers, stack in self.kv.stacks:
+            pages = stack if from_cache else self.kv.store.pool[layers]
+            staged = stage_rows(pages, donor_slots, repairer.addressing)  # [layers, rows, H, 2D]
+            gather_rearrange(staged, src, dst_slots, list(stack), repairer.addressing,
+                             repairer.rope, torch.as_tensor(rows)[src],
+                             torch.as_tensor(target_pos))

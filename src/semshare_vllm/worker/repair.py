@@ -1,0 +1,67 @@
+"""The selective recompute after a load (``recompute_policy``): the loaded tokens run again
+through the model's own layers, as many as the policy picks, so that approximate KV is never
+used as it was loaded.
+
+Unrepaired or half-repaired KV must not be used: whenever the repair cannot run or fails, the
+loaded range is reported failed and vLLM computes those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.kernels import PageAddressing, RopeTable
+from semshare_vllm.logs import warn_once
+from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.recompute.layer_runner import LayerRunner
+from semshare_vllm.recompute.policy import make_selection
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.worker.reports import WorkerReport
+
+logger = logging.getLogger("vllm.semshare.worker")
+
+
+@dataclass
+class Repairer:
+    """What repairs a load on this worker (built once, ``setup.make_repairer``)."""
+
+    runner: LayerRunner          # the model's layers over vLLM's paged caches
+    # Semantic loads move donor rows to other positions: K is re-rotated with the model's own
+    # RoPE, through one address scheme for this engine's pages.
+    rope: RopeTable
+    addressing: PageAddressing
+
+
+def repair(repairer: Repairer | None, spec: LoadSpec, config: SemShareConfig,
+           stats: StatsRecorder, report: WorkerReport) -> None:
+    """Recompute what ``spec.policy`` picks of the loaded range, in place in its blocks."""
+    end = spec.dst_start + spec.num_tokens
+    if repairer is None:
+        report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
+        stats.add("recompute_unavailable_tokens", spec.num_tokens)
+        return
+    t0 = time.perf_counter()
+    try:
+        selection = make_selection(spec.policy, np.arange(spec.dst_start, end),
+                                   np.asarray(spec.always, dtype=np.int64), config)
+        result = repairer.runner.recompute(spec.token_ids, spec.block_ids, selection,
+                                           context=end)
+    except Exception as exc:
+        warn_once(logger, "recompute", "SemShare: recompute for request %s failed (%s); its "
+                  "loaded tokens are computed by vLLM", spec.req_id, exc)
+        report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
+        stats.add("recompute_failures")
+        return
+    if spec.donor_pos is not None and selection.measured is not None:
+        # the scheduler's divergence eviction learns from what semantic donors cost
+        stats.add("deviation_sum", selection.measured)
+        stats.add("deviation_count")
+        report.deviations.append((spec.key, selection.measured))
+    stats.add("recomputed_tokens", max(result.per_layer, default=0))
+    stats.add("recomputed_token_layers", sum(result.per_layer))
+    stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)

@@ -1,0 +1,57 @@
+"""What the worker tells vLLM and the scheduler, gathered between two steps.
+
+vLLM asks for each part through its own callback (``get_finished``,
+``get_block_ids_with_load_errors``, ``build_connector_worker_meta``); each ``take_*`` hands over
+what was gathered and starts afresh, so nothing is reported twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.metadata import SemShareWorkerMetadata
+
+
+@dataclass
+class WorkerReport:
+    block_size: int
+    # captured (or refused) requests whose blocks vLLM may now free
+    finished_sending: set[str] = field(default_factory=set)
+    # blocks whose load failed: vLLM recomputes their tokens
+    invalid_blocks: set[int] = field(default_factory=set)
+    # requests whose load failed, until vLLM says they finished: never captured (their blocks
+    # may hold KV nobody wrote, if they end before vLLM recomputes it)
+    failed_loads: set[str] = field(default_factory=set)
+    # for the scheduler (SemShareWorkerMetadata)
+    bad_donors: list[DonorKey] = field(default_factory=list)
+    deviations: list[tuple[DonorKey, float]] = field(default_factory=list)  # per semantic load
+    capacity: int | None = None          # once, after register_kv_caches
+    recompute_ready: bool | None = None  # once, with the capacity
+    disabled: str | None = None          # once, when this worker turned itself off
+
+    def fail_load(self, req_id: str, block_ids: list[int], start: int, num_tokens: int) -> None:
+        """Report the blocks of positions ``[start, start + num_tokens)`` failed."""
+        first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
+        self.invalid_blocks.update(block_ids[first:last + 1])
+        self.failed_loads.add(req_id)
+
+    def take_finished(self, finished_req_ids: Iterable[str]) -> set[str] | None:
+        self.failed_loads.difference_update(finished_req_ids)
+        done, self.finished_sending = self.finished_sending, set()
+        return done or None
+
+    def take_invalid_blocks(self) -> set[int]:
+        bad, self.invalid_blocks = self.invalid_blocks, set()
+        return bad
+
+    def take_worker_meta(self) -> SemShareWorkerMetadata | None:
+        if not self.bad_donors and self.capacity is None and not self.deviations \
+                and self.disabled is None:
+            return None
+        meta = SemShareWorkerMetadata(self.bad_donors, self.capacity, self.recompute_ready,
+                                      self.deviations, self.disabled)
+        self.bad_donors, self.capacity, self.recompute_ready = [], None, None
+        self.deviations, self.disabled = [], None
+        return meta

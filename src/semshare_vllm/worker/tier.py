@@ -1,0 +1,123 @@
+"""LMCache as the donors' second tier (``kv_tier`` "lmcache"), shared across instances.
+
+Each captured donor is also put there, on a thread of its own, since a remote backend may make
+the put wait; with a shared index, that thread then marks the donor's shard readable for other
+instances (``catalog.shared_index.KVReadyMarks``). A load whose donor is not in the host store
+(another instance's donor, or one the pool let go) fetches it from here into the host store
+first. Any client of LMCache's backend could write KV under a donor's keys, so a fetch is used
+only if its digest is the one its writer signed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.logs import warn_once
+from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.stats import StatsRecorder
+from semshare_vllm.store.base import DonorKVStore
+from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
+
+logger = logging.getLogger("vllm.semshare.worker")
+
+
+class Tier:
+    def __init__(self, store: DonorKVStore, stats: StatsRecorder, ready_marks=None):
+        self.store = store               # LMCacheKVStore
+        self.stats = stats
+        self.ready_marks = ready_marks   # catalog.shared_index.KVReadyMarks, with a shared index
+        # donor -> digest of the KV this rank put (what a fetch back must match)
+        self.digests: dict[DonorKey, str] = {}
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
+        self._puts: list[Future] = []
+
+    # ---- put (after a capture) ----------------------------------------------------------------
+    def put_later(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> None:
+        self._puts.append(self._thread.submit(self._put, key, token_ids, rows))
+
+    def _put(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
+        """On the tier thread: milliseconds to a readable put, or None when it failed."""
+        t0 = time.perf_counter()
+        try:
+            from semshare_vllm.catalog.shared_index import kv_digest
+
+            digest = kv_digest(rows, getattr(self.store, "dtype", None))
+            kept = self.store.put(key, token_ids, rows)
+            if kept:
+                self.digests[key] = digest
+            if kept and self.ready_marks is not None:
+                # other instances may now load it, if what they fetch is what was put here
+                kept = self.ready_marks.mark(key.donor_id, digest)
+        except Exception as exc:
+            warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
+                      key.donor_id, exc)
+            kept = False
+        return (time.perf_counter() - t0) * 1e3 if kept else None
+
+    def reap(self) -> None:
+        """Count the puts done (their stats only: nothing waits for them)."""
+        for future in [f for f in self._puts if f.done()]:
+            self._puts.remove(future)
+            ms = future.result()
+            if ms is None:
+                self.stats.add("tier_put_failures")
+            else:
+                self.stats.add("tier_puts")
+                self.stats.add("tier_put_ms", ms)
+
+    def forget(self, key: DonorKey) -> None:
+        self.digests.pop(key, None)
+
+    # ---- fetch (a load whose donor the host store lacks) --------------------------------------
+    def fetch(self, spec: LoadSpec, host: HostKVStore) -> list[int]:
+        """Fetch the donor into the host store; its blocks there. Raises DonorUnavailable."""
+        t0 = time.perf_counter()
+        rows = self.store.get(spec.key, spec.donor_token_ids)
+        if rows is None:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is in neither the host store "
+                                   "nor LMCache")
+        self._check_digest(spec, rows)
+        if not host.put(spec.key, spec.donor_token_ids, rows):
+            raise DonorUnavailable(f"donor {spec.key.donor_id} does not fit the host store")
+        self.stats.add("tier_fetches")
+        self.stats.add("tier_fetched_tokens", len(spec.donor_token_ids))
+        self.stats.add("tier_fetch_ms", (time.perf_counter() - t0) * 1e3)
+        return host.blocks(spec.key)
+
+    def _check_digest(self, spec: LoadSpec, rows: torch.Tensor) -> None:
+        """Another instance's donor: the digest its rank signed; this instance's: the digest
+        this rank recorded when it put it. No digest (nothing to compare with): not used."""
+        import hmac
+
+        from semshare_vllm.catalog.shared_index import kv_digest
+
+        if spec.donor_kv_digests is not None:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            digests = spec.donor_kv_digests
+            expected = digests[rank] if rank < len(digests) else ""
+        else:
+            expected = self.digests.get(spec.key, "")
+        got = kv_digest(rows, getattr(self.store, "dtype", None))
+        if not hmac.compare_digest(got.encode(), str(expected).encode()):
+            self.stats.add("tier_digest_mismatches")
+            raise DonorUnavailable(f"donor {spec.key.donor_id}: the KV in LMCache is not what "
+                                   "was put there (digest mismatch)")
+
+    # ---- end ----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for every put in flight."""
+        for future in list(self._puts):
+            future.result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.store.close()
+        if self.ready_marks is not None:
+            self.ready_marks.close()

@@ -1,0 +1,82 @@
+"""The worker half's steps over real CPU tensors (no engine): a capture copies a finished
+request's blocks into the host store and frees them; an exact load copies them into another
+request's blocks; a claim the scheduler could not plan (``FailedLoad``) and a load whose donor is
+gone report their blocks failed, and a request whose load failed is never captured."""
+
+import torch
+from support.worker import BS, LAYERS, caches, make_worker
+
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.metadata import CaptureSpec, FailedLoad, LoadSpec, SemShareConnectorMetadata
+from semshare_vllm.store.host_store import HostKVStore
+from semshare_vllm.worker import setup
+
+
+def registered_worker(monkeypatch):
+    def host_store(config, geometry, layout, cache):
+        return HostKVStore(1 << 20, list(LAYERS), tuple(cache.shape[1:]), cache.dtype,
+                           layout.name, page_layout=layout)
+
+    views = {n: v[0] for n, v in caches().items()}
+    w = make_worker(monkeypatch, bound=views)
+    monkeypatch.setattr(setup, "make_store", host_store)
+    w.register_kv_caches(views)
+    assert w.disabled is None
+    for cache in w.kv.caches:
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)))
+    return w
+
+
+def test_capture_then_exact_load_then_failed_loads(monkeypatch):
+    w = registered_worker(monkeypatch)
+    key = DonorKey("", "d")
+    w.start_load_kv(SemShareConnectorMetadata(
+        captures=[CaptureSpec("a", key, list(range(40)), [1, 2])]))
+    w.start_captures()
+    w.flush_captures()
+    assert w.get_finished({"a"}) == ({"a"}, None)     # its blocks may be freed
+    assert key in w.kv.store and w.stats.totals["captured_donors"] == 1
+
+    w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("b", key, 0, 0, 40, [3, 4])]))
+    assert w.stats.totals["loaded_tokens"] == 40
+    for cache in w.kv.caches:                          # [B, H, N, 2D]
+        got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
+        want = torch.cat([cache[1], cache[2]], dim=1)[:, :40]
+        assert torch.equal(got, want)
+    assert w.get_block_ids_with_load_errors() == set()
+
+    # positions [BS, BS + 10) failed: their one block is reported, and "c" is never captured
+    w.start_load_kv(SemShareConnectorMetadata(failed_loads=[FailedLoad("c", BS, 10, [5, 6])]))
+    assert w.get_block_ids_with_load_errors() == {6}
+    assert w.stats.totals["load_failures"] == 1
+    other = DonorKey("", "c")
+    w.start_load_kv(SemShareConnectorMetadata(
+        captures=[CaptureSpec("c", other, list(range(20)), [5])]))
+    assert w.get_finished(set()) == ({"c"}, None) and other not in w.kv.store
+
+    # the donor is gone before its load: blocks failed, donor reported bad
+    w.start_load_kv(SemShareConnectorMetadata(evictions=[key],
+                                              loads=[LoadSpec("e", key, 0, 0, 40, [6, 7])]))
+    assert key not in w.kv.store and w.get_block_ids_with_load_errors() == {6, 7}
+    assert w.stats.totals["load_failures"] == 2
+    meta = w.build_worker_meta()
+    assert meta.bad_donors == [other, key]
+    assert "fallbacks" not in w.stats.totals
+    w.shutdown()
+
+
+def test_a_fault_in_a_load_never_reaches_vllm(monkeypatch):
+    """An unexpected fault (here, marking prompt logprobs) is stopped at the callback: counted as
+    a fallback, and the load's blocks are reported failed, since vLLM counts them as loaded."""
+    from semshare_vllm.worker import loads
+
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    w = registered_worker(monkeypatch)
+    monkeypatch.setattr(loads, "mark_served_rows", boom)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[
+        LoadSpec("b", DonorKey("", "d"), 0, 0, 40, [3, 4], mark_logprobs_until=40)]))
+    assert w.get_block_ids_with_load_errors() == {3, 4}
+    assert w.stats.totals["fallbacks"] == 1
+    w.shutdown()
