@@ -162,11 +162,9 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
     worker.flush_captures()
-    from semshare_vllm.layout.kv_layout import read_range
-
     pages = worker.store.pool[:, worker.store.blocks(key)]  # [layers, blocks, H, N, 2D], CPU order
     blocks = list(range(pages.shape[1]))
-    stored = torch.stack([torch.stack(read_range(worker.layout.view(p), blocks, 0, len(a)))
+    stored = torch.stack([torch.stack(worker.layout.read_range(p, blocks, 0, len(a)))
                           for p in pages])  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
