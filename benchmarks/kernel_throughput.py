@@ -25,8 +25,8 @@ from functools import partial
 
 import torch
 
-from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
-from semshare_vllm.layout.kv_layout import PageLayout
+from semshare_vllm.kernels import RopeTable, gather_rearrange
+from semshare_vllm.layout.specs import PageOffsets, PageSpec, page_spec
 from semshare_vllm.testbed import rope_tables
 
 
@@ -52,7 +52,7 @@ class Case:
     src_pos: torch.Tensor
     dst_pos: torch.Tensor
     caches: list[torch.Tensor]
-    addressing: PageAddressing
+    offsets: PageOffsets
     table: RopeTable
 
     @property
@@ -62,7 +62,7 @@ class Case:
                                                 + self.caches[0].element_size())
 
     def move(self, impl: str, caches: list[torch.Tensor] | None = None) -> None:
-        gather_rearrange(self.src, self.rows, self.slots, caches or self.caches, self.addressing,
+        gather_rearrange(self.src, self.rows, self.slots, caches or self.caches, self.offsets,
                          self.table, self.src_pos, self.dst_pos, impl=impl)
 
 
@@ -76,7 +76,7 @@ def rope_table(shape: ModelShape, max_position: int) -> RopeTable:
     return table
 
 
-def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayout,
+def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageSpec,
                table: RopeTable, device: str, seed: int = 0) -> Case:
     g = torch.Generator().manual_seed(seed)
     bs = shape.block_size
@@ -93,7 +93,7 @@ def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageL
     src_pos = (rows + 7) % table.max_position  # the donor had these tokens elsewhere
     caches = list(buffer)
     return Case(src, rows.to(device), slots.to(device), src_pos.to(device), pos.to(device),
-                caches, PageAddressing.from_layout(layout, caches[0]).to(device),
+                caches, layout.offsets(caches[0]).to(device),
                 table.to(device))
 
 
@@ -123,7 +123,7 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print()
 
 
-def cpu_row(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayout,
+def cpu_row(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageSpec,
             table: RopeTable, repeats: int) -> list:
     case = build_case(shape, tokens, dtype, layout, table, "cpu")
     seconds = median_seconds(partial(case.move, "torch"), repeats, "cpu")
@@ -135,8 +135,8 @@ def cpu_row(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageLayo
 def cpu_suite(args) -> None:
     shape = SMOLLM2_135M
     table = rope_table(shape, max(args.cpu_tokens) + 64)
-    layouts = [PageLayout("CPU_ATTN", shape.head_size, "vec"),
-               PageLayout("FLASH_ATTN", shape.head_size)]
+    layouts = [page_spec("CPU_ATTN", shape.head_size, "vec"),
+               page_spec("FLASH_ATTN", shape.head_size)]
     rows = [cpu_row(shape, tokens, dtype, layout, table, args.repeats)
             for layout in layouts for dtype in (torch.float32, torch.bfloat16)
             for tokens in args.cpu_tokens]
@@ -146,11 +146,11 @@ def cpu_suite(args) -> None:
     print_table(["layout", "dtype", "tokens", "MiB moved", "ms (median)", "GB/s"], rows)
 
 
-def gpu_row(shape: ModelShape, tokens: int, layout: PageLayout, table: RopeTable, args,
+def gpu_row(shape: ModelShape, tokens: int, layout: PageSpec, table: RopeTable, args,
             device: str, offset_tables: bool = False) -> list:
     case = build_case(shape, tokens, torch.bfloat16, layout, table, device)
     if offset_tables:  # the packed pages addressed through the generic [N, D] tables
-        case.addressing = dataclasses.replace(case.addressing, token_stride=None,
+        case.offsets = dataclasses.replace(case.offsets, token_stride=None,
                                               channel_stride=None)
     seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
     want = [torch.zeros_like(c) for c in case.caches]
@@ -168,7 +168,7 @@ def gpu_suite(args, device: str = "cuda") -> None:
     """(``device`` other than cuda only to dry-run this code under TRITON_INTERPRET=1.)"""
     shape = QWEN25_7B
     table = rope_table(shape, max(args.gpu_tokens) + 64)
-    layout = PageLayout("FLASH_ATTN", shape.head_size)
+    layout = page_spec("FLASH_ATTN", shape.head_size)
     rows = []
     for tokens in args.gpu_tokens:
         for offset_tables in (False, True):

@@ -15,7 +15,7 @@ import time
 import torch
 
 from semshare_vllm.core.keys import DonorKey
-from semshare_vllm.layout.kv_layout import PageLayout
+from semshare_vllm.layout.specs import page_spec
 from semshare_vllm.store.host_store import HostKVStore
 
 L, H, D, BS = 30, 3, 64, 32
@@ -43,7 +43,7 @@ def main() -> None:
 
     need = max(args.tokens) * L * H * 2 * D * 4 * 3
     host = HostKVStore(need, [f"l{i}" for i in range(L)], (H, BS, 2 * D), torch.float32,
-                       page_layout=PageLayout("CPU_ATTN", D, "vec"))
+                       page_layout=page_spec("CPU_ATTN", D, "vec"))
     local = LMCacheKVStore(L, H, D, torch.float32, "smollm2-135m", need)
     with RedisServer() as redis:
         writer = LMCacheKVStore(L, H, D, torch.float32, "smollm2-135m", need, redis.url)

@@ -100,7 +100,7 @@ class SemShareConnector(KVConnectorBase_V1):
         # Called while the engine core sets up the KV cache, before any request: validate there
         # too, for backends where the CUDA-graph hook above is not consulted (CPU, eager).
         SemShareConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        return None  # every layout has a KV view (layout/kv_layout.py)
+        return None  # every layout has a page spec (layout/specs/)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -162,12 +162,10 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     key = donor_key(a, run(llm, a))
     run(llm, cases["filler"])
     worker.flush_captures()
-    from semshare_vllm.layout.kv_layout import read_range
-
     # [layers, blocks, H, N, 2D], CPU order
     pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    stored = torch.stack([torch.stack(read_range(worker.kv.layout.view(p), blocks, 0, len(a)))
+    stored = torch.stack([torch.stack(worker.kv.layout.read_range(p, blocks, 0, len(a)))
                           for p in pages])  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():

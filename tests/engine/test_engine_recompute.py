@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from semshare_vllm.core.keys import DonorKey, donor_id_for
-from semshare_vllm.layout.kv_layout import read_range, write_range
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
@@ -85,7 +84,7 @@ def donor_kv(worker, key, n):
     """[layers, 2, n, H, D] of a stored donor (the KV vLLM computed)."""
     pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    return torch.stack([torch.stack(read_range(worker.kv.layout.view(p), blocks, 0, n))
+    return torch.stack([torch.stack(worker.kv.layout.read_range(p, blocks, 0, n))
                         for p in pages])
 
 
@@ -97,7 +96,7 @@ def private_caches(worker, num_blocks):
 
 
 def cache_kv(worker, caches, names, blocks, n):
-    return torch.stack([torch.stack(read_range(worker.kv.layout.view(caches[name]), blocks, 0, n))
+    return torch.stack([torch.stack(worker.kv.layout.read_range(caches[name], blocks, 0, n))
                         for name in names])
 
 
@@ -125,17 +124,17 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
     # Garble a subset, recompute just it: exact again; no other slot of any block is written.
     subset = np.sort(np.random.default_rng(1).choice(n, n // 5, replace=False))
     for name in names:
-        k, v = read_range(worker.kv.layout.view(caches[name]), blocks, 0, n)
+        k, v = worker.kv.layout.read_range(caches[name], blocks, 0, n)
         k[subset], v[subset] = torch.randn_like(k[subset]), torch.randn_like(v[subset])
-        write_range(worker.kv.layout.view(caches[name]), blocks, 0, k, v)
+        worker.kv.layout.write_range(caches[name], blocks, 0, k, v)
     before = {name: c.clone() for name, c in caches.items()}
     runner.recompute(prompt, blocks, subset, context=n)
     torch.testing.assert_close(cache_kv(worker, caches, names, blocks, n), want,
                                atol=2e-4, rtol=1e-3)
     untouched = np.setdiff1d(np.arange(n), subset)
     for name in names:
-        k0, v0 = read_range(worker.kv.layout.view(before[name]), blocks, 0, n)
-        k1, v1 = read_range(worker.kv.layout.view(caches[name]), blocks, 0, n)
+        k0, v0 = worker.kv.layout.read_range(before[name], blocks, 0, n)
+        k1, v1 = worker.kv.layout.read_range(caches[name], blocks, 0, n)
         assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched],
                                                                          v1[untouched])
         unused = sorted(set(range(len(caches[name]))) - set(blocks))

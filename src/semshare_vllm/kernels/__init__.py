@@ -5,11 +5,11 @@ Public entries:
 * ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``), ``UnsupportedRope`` and
   ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate cached keys from the donor's
   positions to the target's, exactly (``rope_correct_reference`` is the torch version);
-* ``PageAddressing`` (``.packed``, ``.cpu_pages``, ``.from_layout``) and
-  ``gather_rearrange(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)``:
+* ``gather_rearrange(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)``:
   gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
-  (``gather_rearrange_reference`` is the torch version); ``stage_rows(pages, slots,
-  addressing)`` reads rows out of paged KV into that staging form.
+  (``gather_rearrange_reference`` is the torch version); ``stage_rows(pages, slots, offsets)``
+  reads rows out of paged KV into that staging form. ``offsets`` is the caches' ``PageOffsets``,
+  from their layout's spec (``layout.specs``: ``spec.offsets(caches[0])``).
 
 The dispatchers run Triton on CUDA tensors, torch otherwise (``impl="torch"`` / ``"triton"``
 forces one; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``, as in the tests). Triton is
@@ -17,11 +17,9 @@ imported only when used.
 """
 
 from .gather_rearrange import gather_rearrange, gather_rearrange_reference, stage_rows
-from .page_addressing import PageAddressing
 from .rope import RopeTable, UnsupportedRope, correct_rope, rope_correct_reference
 
 __all__ = [
-    "PageAddressing",
     "RopeTable",
     "UnsupportedRope",
     "correct_rope",

@@ -4,7 +4,8 @@ A staging tensor ``src`` ``[L, T_src, H, 2*D]`` (K then V in the last dim, any s
 donor KV by row. Each moved token m takes row ``src_rows[m]`` of every layer, has its K
 re-rotated from donor position ``src_pos[m]`` to target position ``dst_pos[m]`` (``table=None``:
 no correction), and lands in slot ``dst_slots[m]`` (``block_id * block_size + offset``) of the
-per-layer caches, addressed through a ``PageAddressing`` (packed or CPU_ATTN pages alike).
+per-layer caches, addressed through the ``PageOffsets`` of their layout
+(``layout.specs``: ``spec.offsets(caches[0])``; packed or CPU_ATTN pages alike).
 V is copied as is; both are cast to the cache dtype. Destination slots must be distinct (a
 duplicated slot gets one of its writers, unspecified which); source rows may repeat.
 """
@@ -13,24 +14,24 @@ from __future__ import annotations
 
 import torch
 
+from ..layout.specs import PageOffsets
 from .dispatch import use_triton
-from .page_addressing import PageAddressing
 from .rope import RopeTable, apply_rope_delta, rope_delta
 
 
-def _check_inputs(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos):
+def _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos):
     if src.dim() != 4:
         raise ValueError(f"src must be [L, T, H, 2*D], got {tuple(src.shape)}")
     if src.shape[0] != len(caches):
         raise ValueError(f"src has {src.shape[0]} layers, caches {len(caches)}")
-    if src.shape[2:] != (addressing.num_heads, 2 * addressing.head_size):
+    if src.shape[2:] != (offsets.num_heads, 2 * offsets.head_size):
         raise ValueError(f"src heads/channels {tuple(src.shape[2:])} do not match the cache "
-                         f"{(addressing.num_heads, 2 * addressing.head_size)}")
+                         f"{(offsets.num_heads, 2 * offsets.head_size)}")
     if src_rows.dim() != 1 or dst_slots.shape != src_rows.shape:
         raise ValueError("src_rows and dst_slots must be 1-D of the same length")
     for cache in caches:
-        if not addressing.fits(cache):
-            raise ValueError("a cache tensor's shape/strides differ from the addressing's")
+        if not offsets.fits(cache):
+            raise ValueError("a cache tensor's shape/strides differ from the offsets'")
         if cache.device != src.device:
             raise ValueError("caches and src must be on the same device")
     if table is not None:
@@ -38,8 +39,8 @@ def _check_inputs(src, src_rows, dst_slots, caches, addressing, table, src_pos, 
             raise ValueError("RoPE correction needs src_pos and dst_pos")
         if src_pos.shape != src_rows.shape or dst_pos.shape != src_rows.shape:
             raise ValueError("src_pos and dst_pos must be [M] like src_rows")
-        if table.head_size != addressing.head_size:
-            raise ValueError(f"rope head_size {table.head_size} != cache {addressing.head_size}")
+        if table.head_size != offsets.head_size:
+            raise ValueError(f"rope head_size {table.head_size} != cache {offsets.head_size}")
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -50,16 +51,16 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 
 def gather_rearrange_reference(src: torch.Tensor, src_rows: torch.Tensor,
                                dst_slots: torch.Tensor, caches: list[torch.Tensor],
-                               addressing: PageAddressing, table: RopeTable | None = None,
+                               offsets: PageOffsets, table: RopeTable | None = None,
                                src_pos: torch.Tensor | None = None,
                                dst_pos: torch.Tensor | None = None) -> None:
     """Torch reference: destination offsets and the RoPE rotation are computed once, then each
     layer is one row gather, one rotation and one scatter."""
-    _check_inputs(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)
+    _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)
     if src_rows.numel() == 0:
         return
-    device, head_size = src.device, addressing.head_size
-    index = addressing.to(device).flat_indices(dst_slots)  # [M, H, 2*D]
+    device, head_size = src.device, offsets.head_size
+    index = offsets.to(device).flat_indices(dst_slots)  # [M, H, 2*D]
     rows = src_rows.to(device=device, dtype=torch.long)
     if table is not None:
         table = table.to(device)
@@ -77,7 +78,7 @@ def gather_rearrange_reference(src: torch.Tensor, src_rows: torch.Tensor,
 
 
 def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch.Tensor,
-                     caches: list[torch.Tensor], addressing: PageAddressing,
+                     caches: list[torch.Tensor], offsets: PageOffsets,
                      table: RopeTable | None = None, src_pos: torch.Tensor | None = None,
                      dst_pos: torch.Tensor | None = None, impl: str = "auto") -> None:
     """Move ``src[:, src_rows]`` into ``dst_slots`` of every layer's cache, K RoPE-corrected
@@ -85,10 +86,10 @@ def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch
     layers when they form one uniform stack), the torch reference otherwise; ``impl`` =
     "triton" / "torch" forces one."""
     if not use_triton(src, impl):
-        gather_rearrange_reference(src, src_rows, dst_slots, caches, addressing, table,
+        gather_rearrange_reference(src, src_rows, dst_slots, caches, offsets, table,
                                    src_pos, dst_pos)
         return
-    _check_inputs(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)
+    _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)
     if src_rows.numel() == 0:
         return
     from .triton_gather import gather_rearrange_triton
@@ -97,25 +98,25 @@ def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch
     if table is not None:
         table, src_pos, dst_pos = table.to(device), src_pos.to(device), dst_pos.to(device)
     gather_rearrange_triton(src, src_rows.to(device), dst_slots.to(device), caches,
-                            addressing.to(device), table, src_pos, dst_pos)
+                            offsets.to(device), table, src_pos, dst_pos)
 
 
 def stage_rows(pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
-               addressing: PageAddressing) -> torch.Tensor:
+               offsets: PageOffsets) -> torch.Tensor:
     """The K|V rows at ``slots`` of every layer's pages, as ``gather_rearrange``'s staging
     tensor ``[L, M, H, 2*D]`` (the inverse of its scatter, without the rotation): one element
-    gather per layer through the same addressing (2x faster on CPU than reading K and V
+    gather per layer through the same offsets (2x faster on CPU than reading K and V
     apart and concatenating)."""
     pages = list(pages)
     if not pages:
         raise ValueError("no layers to stage")
-    index = addressing.to(pages[0].device).flat_indices(slots).view(-1)
-    out = torch.empty((len(pages), slots.shape[0], addressing.num_heads,
-                       2 * addressing.head_size), dtype=pages[0].dtype, device=pages[0].device)
+    index = offsets.to(pages[0].device).flat_indices(slots).view(-1)
+    out = torch.empty((len(pages), slots.shape[0], offsets.num_heads,
+                       2 * offsets.head_size), dtype=pages[0].dtype, device=pages[0].device)
     for layer, page in enumerate(pages):
         # any number of blocks (a host pool's, a cache's), the same pages
-        if tuple(page.shape[1:]) != addressing.shape[1:] or \
-                tuple(page.stride()) != addressing.strides:
-            raise ValueError("a page tensor's page shape/strides differ from the addressing's")
+        if tuple(page.shape[1:]) != offsets.shape[1:] or \
+                tuple(page.stride()) != offsets.strides:
+            raise ValueError("a page tensor's page shape/strides differ from the offsets'")
         torch.index_select(_flat(page), 0, index, out=out[layer].view(-1))
     return out

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout.kv_layout import stack_layers
-from .page_addressing import PageAddressing
+from ..layout.paged_cache import stack_layers
+from ..layout.specs import PageOffsets
 from .rope import RopeTable
 from .triton_rope import rope_delta, rope_pairs, rope_rotate
 
@@ -111,7 +111,7 @@ def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, 
 
 
 def gather_rearrange_triton(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch.Tensor,
-                            caches: list[torch.Tensor], addressing: PageAddressing,
+                            caches: list[torch.Tensor], offsets: PageOffsets,
                             table: RopeTable | None, src_pos: torch.Tensor | None,
                             dst_pos: torch.Tensor | None) -> None:
     """One launch per uniform stack of layer tensors (usually one for the whole model)."""
@@ -120,18 +120,18 @@ def gather_rearrange_triton(src: torch.Tensor, src_rows: torch.Tensor, dst_slots
     if tiles > _MAX_GRID_Y:
         raise ValueError(f"{num_tokens} tokens exceed one launch; split the move")
     has_rope = table is not None
-    head_size = addressing.head_size
+    head_size = offsets.head_size
     for layers, stack in stack_layers(caches):
         part = src[layers]
         _gather_rearrange_kernel[(stack.shape[0], tiles)](
             part, *part.stride(), src_rows, dst_slots,
             src_pos if has_rope else src_rows, dst_pos if has_rope else src_rows, num_tokens,
-            stack, stack.stride(0), addressing.block_stride, addressing.head_stride,
-            addressing.k_offsets, addressing.v_offsets, addressing.token_stride or 0,
-            addressing.channel_stride or 0, addressing.block_size,
-            table.cos_sin if has_rope else addressing.k_offsets, addressing.num_heads,
+            stack, stack.stride(0), offsets.block_stride, offsets.head_stride,
+            offsets.k_offsets, offsets.v_offsets, offsets.token_stride or 0,
+            offsets.channel_stride or 0, offsets.block_size,
+            table.cos_sin if has_rope else offsets.k_offsets, offsets.num_heads,
             HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
             ROTARY_DIM=table.rotary_dim if has_rope else 2,
             IS_NEOX=table.is_neox if has_rope else True, HAS_ROPE=has_rope,
-            PACKED=addressing.token_stride is not None, BLOCK_M=BLOCK_M,
+            PACKED=offsets.token_stride is not None, BLOCK_M=BLOCK_M,
             num_warps=NUM_WARPS, enable_fp_fusion=False)

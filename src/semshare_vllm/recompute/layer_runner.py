@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from semshare_vllm.layout.kv_layout import KVView, PageLayout, read_range, slots_for
+from semshare_vllm.layout.paged_cache import slots_for
+from semshare_vllm.layout.specs import PageSpec
 from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
 from semshare_vllm.vllm_compat import cpu_attention
 
@@ -49,7 +50,7 @@ class _Layer:
     holder: torch.nn.Module        # the module whose ``attn`` attribute is the vLLM Attention
     attn: torch.nn.Module
     cache: torch.Tensor            # this layer's paged cache
-    view: KVView                   # ... read and written by token
+    spec: PageSpec                 # ... its page layout, to read and write it by token
     cpu_isa: str | None            # CPU_ATTN layouts: vLLM's kernels serve prefill-shaped runs
     num_heads: int
     num_kv_heads: int
@@ -112,7 +113,7 @@ class _RecomputeAttention(torch.nn.Module):
         k = key.view(s, lay.num_kv_heads, lay.head_size)
         v = value.view(s, lay.num_kv_heads, lay.head_size)
         if self.want_deviation:  # fresh vs the donor's K/V these positions held
-            k_old, v_old = lay.view.read(self.slots)
+            k_old, v_old = lay.spec.read(lay.cache, self.slots)
             k32, v32 = k.float(), v.float()
             diff = (k32 - k_old.float()).square().sum((1, 2)) + \
                 (v32 - v_old.float()).square().sum((1, 2))
@@ -123,11 +124,11 @@ class _RecomputeAttention(torch.nn.Module):
         if kernel:   # vLLM's own CPU cache write and prefill attention, on the paged cache
             out = _cpu_attention(lay, q, k, v, self.slots, self.block_ids, self.context)
         else:
-            lay.view.write(self.slots, k, v)
+            lay.spec.write(lay.cache, self.slots, k, v)
         if self.probe_only and not self.tail:
             raise _Probed
         if self.tail or not kernel:
-            k_all, v_all = read_range(lay.view, self.block_ids, 0, self.context)
+            k_all, v_all = lay.spec.read_range(lay.cache, self.block_ids, 0, self.context)
             if self.tail:
                 self.attention = tail_attention(q, k_all, self.positions,
                                                 self.context - self.tail, lay.scale)
@@ -177,7 +178,7 @@ class LayerRunner:
     """Drives one loaded vLLM model's decoder layers over a request's paged KV."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: dict[str, torch.Tensor],
-                 layout: PageLayout):
+                 layout: PageSpec):
         name = type(model).__name__
         if name not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(f"{name} is not a Llama-structure model the runner knows")
@@ -205,7 +206,8 @@ class LayerRunner:
             if cache is None:
                 raise UnsupportedModel(f"no KV cache registered for {attn.layer_name}")
             isa = layout.cpu_isa if layout.backend.upper() == "CPU_ATTN" else None
-            self.layers.append(_Layer(layer, holder, attn, cache, layout.view(cache), isa,
+            layout.check(cache)
+            self.layers.append(_Layer(layer, holder, attn, cache, layout, isa,
                                       attn.num_heads, attn.num_kv_heads, attn.head_size,
                                       float(impl.scale)))
         self.device = next(model.parameters()).device
@@ -227,7 +229,7 @@ class LayerRunner:
         context = int(start[-1]) + 1 if context is None else context
         if int(start[-1]) >= context or int(start[0]) < 0:
             raise ValueError("positions must lie inside the context")
-        bs = self.layers[0].view.block_size
+        bs = self.layers[0].cache.shape[2]
         if context > len(block_ids) * bs or context > len(token_ids):
             raise ValueError("the context runs past the request's blocks or tokens")
         pos_np = start

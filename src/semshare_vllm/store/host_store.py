@@ -17,7 +17,7 @@ The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``
 allocated is being written (its copy in flight on another thread) until ``finish_write`` or
 ``abort_write``, and is never evicted meanwhile. The ``DonorKVStore`` methods (``put``/``get``,
 KV as rows) are what the host store shares with LMCache (``base.py``), through the pool's
-``PageAddressing``.
+``PageOffsets``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from semshare_vllm.core.keys import DonorKey
-from semshare_vllm.kernels import PageAddressing, gather_rearrange, stage_rows
-from semshare_vllm.layout.kv_layout import PageLayout, slots_for
+from semshare_vllm.kernels import gather_rearrange, stage_rows
+from semshare_vllm.layout.paged_cache import slots_for
+from semshare_vllm.layout.specs import PageOffsets, PageSpec
 from semshare_vllm.logs import warn_once
 from semshare_vllm.store import donor_file
 from semshare_vllm.store.base import DonorKVStore
@@ -69,7 +70,7 @@ class HostKVStore(DonorKVStore):
     def __init__(self, capacity_bytes: int, layer_names: list[str], page_shape: tuple[int, ...],
                  dtype: torch.dtype, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
                  persist_root: Path | None = None, pin_memory: bool = False,
-                 page_layout: PageLayout | None = None):
+                 page_layout: PageSpec | None = None):
         self.layer_names = list(layer_names)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -80,10 +81,9 @@ class HostKVStore(DonorKVStore):
         self.pool = torch.empty((len(layer_names), num_blocks, *page_shape), dtype=dtype,
                                 pin_memory=pin_memory)
         self.pool.zero_()  # touch every page now, not during a capture
-        # How rows sit in the pool's pages (the rows API needs it): the pool's own addressing,
+        # How rows sit in the pool's pages (the rows API needs it): the pool's own offsets,
         # since its block count and strides are not the cache's.
-        self.addressing = None if page_layout is None else \
-            PageAddressing.from_layout(page_layout, self.pool[0])
+        self.offsets = None if page_layout is None else page_layout.offsets(self.pool[0])
         self.block_size = page_shape[-2]
         self.capacity_bytes = num_blocks * self.block_bytes
         self._free: deque[int] = deque(range(num_blocks))
@@ -180,7 +180,7 @@ class HostKVStore(DonorKVStore):
         try:
             blocks = self._take_blocks(key, -(-num // self.block_size))
             gather_rearrange(rows, torch.arange(num), slots_for(blocks, 0, num, self.block_size),
-                             list(self.pool), self._addressing())
+                             list(self.pool), self._offsets())
         except DonorUnavailable as exc:
             self.drop_memory(key)
             warn_once(logger, "put", "SemShare: donor %s is not kept in the host store: %s",
@@ -198,12 +198,12 @@ class HostKVStore(DonorKVStore):
         if end > len(blocks) * self.block_size:
             return None
         return stage_rows(self.pool, slots_for(blocks, start, end, self.block_size),
-                          self._addressing())
+                          self._offsets())
 
-    def _addressing(self) -> PageAddressing:
-        if self.addressing is None:
+    def _offsets(self) -> PageOffsets:
+        if self.offsets is None:
             raise DonorUnavailable("this host store was made without a page layout")
-        return self.addressing
+        return self.offsets
 
     @property
     def used_bytes(self) -> int:

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from semshare_vllm.alignment import AlignParams, align
-from semshare_vllm.kernels import PageAddressing, RopeTable, gather_rearrange
-from semshare_vllm.layout.kv_layout import PageLayout, read_range, slots_for
+from semshare_vllm.kernels import RopeTable, gather_rearrange
+from semshare_vllm.layout.paged_cache import slots_for
+from semshare_vllm.layout.specs import PageSpec
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.scheduler.planner import plan_claim
@@ -42,7 +43,7 @@ class Outcome:
 
 
 class BlendBench:
-    def __init__(self, model: torch.nn.Module, layout: PageLayout, like: torch.Tensor,
+    def __init__(self, model: torch.nn.Module, layout: PageSpec, like: torch.Tensor,
                  layer_names: list[str], donor: list[int], target: list[int],
                  params: AlignParams = AlignParams(stages=("exact", "edit"))):
         self.model, self.layout, self.names = model, layout, layer_names
@@ -73,13 +74,13 @@ class BlendBench:
         al = self.alignment
         t = np.flatnonzero(al.donor_pos >= 0)
         staged = torch.stack([
-            torch.cat(read_range(self.layout.view(self.caches[name]), self.donor_blocks, 0,
-                                 len(self.donor)), dim=-1) for name in self.names])
+            torch.cat(self.layout.read_range(self.caches[name], self.donor_blocks, 0,
+                                             len(self.donor)), dim=-1) for name in self.names])
         bs = self.caches[self.names[0]].shape[2]
         dst = slots_for(self.blend_blocks, 0, len(self.target), bs)[t]
         caches = [self.caches[name] for name in self.names]
         gather_rearrange(staged, torch.as_tensor(al.donor_pos[t]), dst, caches,
-                         PageAddressing.from_layout(self.layout, caches[0]), self.rope,
+                         self.layout.offsets(caches[0]), self.rope,
                          torch.as_tensor(al.donor_pos[t]), torch.as_tensor(t))
         return {name: c.clone() for name, c in self.caches.items()}
 

@@ -21,7 +21,7 @@ import torch
 
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.kernels import stage_rows
-from semshare_vllm.layout.kv_layout import copy_blocks, slots_for
+from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import CaptureSpec
 from semshare_vllm.stats import StatsRecorder
@@ -86,7 +86,7 @@ class Captures:
         pool = kv.store.pool
         with torch.inference_mode():
             for layers, stack in kv.stacks:
-                copy_blocks(stack, spec.block_ids, pool[layers], job.pool_blocks)
+                kv.layout.copy_blocks(stack, spec.block_ids, pool[layers], job.pool_blocks)
             if pool.is_pinned():
                 torch.cuda.current_stream().synchronize()  # the D2H copies were asynchronous
             if kv.store.persist_root is not None:
@@ -95,7 +95,7 @@ class Captures:
             if kv.tier is not None:
                 n = len(spec.token_ids)
                 rows = stage_rows(pool, slots_for(job.pool_blocks, 0, n, kv.block_size),
-                                  kv.store.addressing)
+                                  kv.store.offsets)
         return (time.perf_counter() - t0) * 1e3, rows
 
     def reap(self, wait_for: DonorKey | None = None) -> None:

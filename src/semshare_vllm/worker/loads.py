@@ -1,6 +1,6 @@
 """Loads: donor KV written into the fresh blocks of a request that claimed it.
 
-An exact load copies the donor's tokens as they are (``copy_tokens``); a semantic load moves
+An exact load copies the donor's tokens as they are (the page spec's ``copy_tokens``); a semantic load moves
 each aligned donor row to its own position, K re-rotated (``gather_rearrange`` with RoPE), and
 is then repaired (``repair.py``). The donor is read from the host store, from its own blocks
 while it is still being captured, or from the LMCache tier when only that holds it.
@@ -19,7 +19,7 @@ import torch
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.kernels import gather_rearrange, stage_rows
-from semshare_vllm.layout.kv_layout import copy_tokens, slots_for
+from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec
 from semshare_vllm.stats import StatsRecorder
@@ -107,8 +107,8 @@ class Loads:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
         for layers, stack in self.kv.stacks:
             src = stack if from_cache else self.kv.store.pool[layers]
-            copy_tokens(src, donor_blocks, spec.src_start, stack, spec.block_ids,
-                        spec.dst_start, spec.num_tokens, self.kv.layout)
+            self.kv.layout.copy_tokens(src, donor_blocks, spec.src_start, stack,
+                                       spec.block_ids, spec.dst_start, spec.num_tokens)
 
     def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
                       from_cache: bool) -> None:
@@ -133,7 +133,7 @@ class Loads:
         src = torch.as_tensor(src_rows)
         for layers, stack in self.kv.stacks:
             pages = stack if from_cache else self.kv.store.pool[layers]
-            staged = stage_rows(pages, donor_slots, repairer.addressing)  # [layers, rows, H, 2D]
-            gather_rearrange(staged, src, dst_slots, list(stack), repairer.addressing,
+            staged = stage_rows(pages, donor_slots, repairer.offsets)  # [layers, rows, H, 2D]
+            gather_rearrange(staged, src, dst_slots, list(stack), repairer.offsets,
                              repairer.rope, torch.as_tensor(rows)[src],
                              torch.as_tensor(target_pos))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.kernels import PageAddressing, RopeTable
+from semshare_vllm.kernels import RopeTable
+from semshare_vllm.layout.specs import PageOffsets
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.recompute.layer_runner import LayerRunner
@@ -34,7 +35,7 @@ class Repairer:
     # Semantic loads move donor rows to other positions: K is re-rotated with the model's own
     # RoPE, through one address scheme for this engine's pages.
     rope: RopeTable
-    addressing: PageAddressing
+    offsets: PageOffsets
 
 
 def repair(repairer: Repairer | None, spec: LoadSpec, config: SemShareConfig,

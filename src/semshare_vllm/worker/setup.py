@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.kernels import PageAddressing, RopeTable
+from semshare_vllm.kernels import RopeTable
 from semshare_vllm.layout.geometry import KVGeometry
-from semshare_vllm.layout.kv_layout import PageLayout, UnsupportedKVLayout, stack_layers
+from semshare_vllm.layout.paged_cache import stack_layers
+from semshare_vllm.layout.specs import PageSpec, UnsupportedKVLayout, page_spec
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.store.host_store import HostKVStore, fit_to_memory
 from semshare_vllm.vllm_compat import model_hook
@@ -35,7 +36,7 @@ class WorkerKV:
     caches: list[torch.Tensor]     # one paged KV tensor per layer, geometry order
     # The same as [layers, blocks, H, N, C] stacks (usually one): (layer range, tensor)
     stacks: list[tuple[slice, torch.Tensor]]
-    layout: PageLayout
+    layout: PageSpec
     block_size: int                # the scheduler's blocks (the kernels' too: checked)
     store: HostKVStore
     tier: Tier | None              # LMCache (kv_tier), shared across instances
@@ -49,12 +50,12 @@ def build(kv_caches: dict[str, torch.Tensor], config: SemShareConfig, geometry: 
     layers = attention_layers(vllm_config, geometry.layer_names)
     for name in geometry.layer_names:
         layer = layers[name]
-        layout = PageLayout(layer.backend, geometry.head_size, layer.cpu_isa)
+        layout = page_spec(layer.backend, geometry.head_size, layer.cpu_isa)
         check_block_size(name, kv_caches[name], layer, geometry.block_size)
         if geometry.exact_only:
             check_whole_pages(kv_caches[name], geometry.head_size)
         else:
-            layout.view(kv_caches[name])  # raises for layouts we cannot read
+            layout.check(kv_caches[name])  # raises for layouts we cannot read
         layouts.add(layout)
         caches.append(kv_caches[name])
     if len(layouts) != 1:
@@ -102,7 +103,7 @@ def check_whole_pages(cache: torch.Tensor, head_size: int) -> None:
                                   f"{tuple(cache.shape)}")
 
 
-def make_store(config: SemShareConfig, geometry: KVGeometry, layout: PageLayout,
+def make_store(config: SemShareConfig, geometry: KVGeometry, layout: PageSpec,
                cache: torch.Tensor) -> HostKVStore:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -117,7 +118,7 @@ def make_store(config: SemShareConfig, geometry: KVGeometry, layout: PageLayout,
 
 
 def make_repairer(config: SemShareConfig, geometry: KVGeometry, vllm_config,
-                  kv_caches: dict[str, torch.Tensor], layout: PageLayout,
+                  kv_caches: dict[str, torch.Tensor], layout: PageSpec,
                   cache: torch.Tensor) -> Repairer | None:
     """The layer runner over the model the plugin hook recorded, when recompute is on. Any
     problem turns recompute off with one warning: loads that need repair are then reported
@@ -138,7 +139,7 @@ def make_repairer(config: SemShareConfig, geometry: KVGeometry, vllm_config,
                 f"{', '.join(model_hook.installed()) or 'none'})")
         return Repairer(LayerRunner(model, kv_caches, layout),
                         RopeTable.from_vllm(model.model.layers[0].self_attn.rotary_emb),
-                        PageAddressing.from_layout(layout, cache))
+                        layout.offsets(cache))
     except Exception as exc:
         logger.warning("SemShare: selective recompute is off on this worker: %s", exc)
         return None

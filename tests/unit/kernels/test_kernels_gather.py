@@ -1,5 +1,5 @@
 """The torch reference of the fused gather + RoPE + scatter against the obvious slow version: one
-token at a time through ``layout.kv_layout``'s views, for packed and CPU_ATTN pages."""
+token at a time through ``layout.specs``' token writes, for packed and CPU_ATTN pages."""
 
 import pytest
 import torch
@@ -9,15 +9,8 @@ from semshare_vllm.kernels.gather_rearrange import (
     gather_rearrange_reference,
     stage_rows,
 )
-from semshare_vllm.kernels.page_addressing import PageAddressing
 from semshare_vllm.kernels.rope import RopeTable, rope_correct_reference
-from semshare_vllm.layout.kv_layout import (
-    PackedKVView,
-    PagedRegionKVView,
-    PageLayout,
-    UnsupportedKVLayout,
-    kv_view,
-)
+from semshare_vllm.layout.specs import CpuAttnSpec, UnsupportedKVLayout, page_spec
 
 L, B, H, N, D = 3, 12, 2, 16, 32
 T_SRC, M = 40, 37
@@ -64,18 +57,19 @@ def orders(kind):
             torch.randperm(N * D, generator=g).view(N, D))
 
 
-def target(kind, dtype, arrangement):
-    """(caches, addressing, per-layer slow views) of one layout."""
-    caches = layer_tensors(arrangement, dtype, token_major=kind == "packed_token_major")
+def spec_of(kind):
     if kind in ("packed", "packed_token_major"):
-        return caches, PageAddressing.packed(caches[0]), [PackedKVView(c, D) for c in caches]
+        return page_spec("FLASH_ATTN", D)
     if kind == "cpu_vec":  # the real order of vLLM's CPU kernel (K transposed)
-        layout = PageLayout("CPU_ATTN", D, "vec")
-        views = [kv_view(c, "CPU_ATTN", D, cpu_isa="vec") for c in caches]
-        return caches, PageAddressing.from_layout(layout, caches[0]), views
-    k_pos, v_pos = orders(kind)
-    views = [PagedRegionKVView(c, D, k_pos, v_pos) for c in caches]
-    return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos), views
+        return page_spec("CPU_ATTN", D, "vec")
+    return CpuAttnSpec("CPU_ATTN", D, positions=orders(kind))
+
+
+def target(kind, dtype, arrangement):
+    """(caches, their offsets, the spec) of one layout."""
+    caches = layer_tensors(arrangement, dtype, token_major=kind == "packed_token_major")
+    spec = spec_of(kind)
+    return caches, spec.offsets(caches[0]), spec
 
 
 def moves(seed, table):
@@ -95,14 +89,14 @@ def staging(dtype, seed):
     return torch.randn(T_SRC, L, H, 2 * D, generator=g).to(dtype).transpose(0, 1)
 
 
-def slow_move(src, rows, slots, views, table, src_pos, dst_pos):
-    for layer, view in enumerate(views):
+def slow_move(src, rows, slots, caches, spec, table, src_pos, dst_pos):
+    for layer, cache in enumerate(caches):
         for m in range(len(rows)):
             kv = src[layer, rows[m]][None]  # [1, H, 2D]
             k = kv[..., :D].float()
             if table is not None:
                 k = rope_correct_reference(k, src_pos[m:m + 1], dst_pos[m:m + 1], table)
-            view.write(slots[m:m + 1], k, kv[..., D:])
+            spec.write(cache, slots[m:m + 1], k, kv[..., D:])
 
 
 KINDS = ["packed", "packed_token_major", "cpu_vec", "cpu_token_major", "cpu_permuted"]
@@ -118,43 +112,43 @@ def test_reference_equals_slow_token_by_token(kind, src_dtype, cache_dtype, rope
     table = make_table(rope)
     src = staging(src_dtype, seed=1)
     rows, slots, src_pos, dst_pos = moves(2, table)
-    fast, addressing, _ = target(kind, cache_dtype, arrangement)
-    slow, _, slow_views = target(kind, cache_dtype, arrangement)
-    gather_rearrange_reference(src, rows, slots, fast, addressing, table, src_pos, dst_pos)
-    slow_move(src, rows, slots, slow_views, table, src_pos, dst_pos)
+    fast, offsets, _ = target(kind, cache_dtype, arrangement)
+    slow, _, spec = target(kind, cache_dtype, arrangement)
+    gather_rearrange_reference(src, rows, slots, fast, offsets, table, src_pos, dst_pos)
+    slow_move(src, rows, slots, slow, spec, table, src_pos, dst_pos)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
     assert any(bool(f.abs().sum() > 0) for f in fast)
     if table is not None:  # the rotation did happen
         plain, _, _ = target(kind, cache_dtype, arrangement)
-        gather_rearrange_reference(src, rows, slots, plain, addressing)
+        gather_rearrange_reference(src, rows, slots, plain, offsets)
         assert not torch.equal(plain[0], fast[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arrangement", ["uniform", "irregular"])
-def test_stage_rows_reads_what_the_views_read(kind, arrangement):
-    caches, addressing, views = target(kind, torch.bfloat16, arrangement)
+def test_stage_rows_reads_what_the_spec_reads(kind, arrangement):
+    caches, offsets, spec = target(kind, torch.bfloat16, arrangement)
     g = torch.Generator().manual_seed(5)
     for c in caches:
         c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
     slots = torch.randperm(B * N, generator=g)[:M]
-    staged = stage_rows(caches, slots, addressing)
+    staged = stage_rows(caches, slots, offsets)
     assert staged.shape == (L, M, H, 2 * D) and staged.dtype == torch.bfloat16
-    for layer, view in enumerate(views):
-        k, v = view.read(slots)
+    for layer, cache in enumerate(caches):
+        k, v = spec.read(cache, slots)
         assert torch.equal(staged[layer], torch.cat((k, v), dim=-1))
     # a pool of another size with the same pages (the host store's) is read alike
     pool = torch.empty_strided((B + 2, H, N, 2 * D), caches[0].stride(), dtype=torch.bfloat16)
     pool[:B] = caches[0]
-    assert torch.equal(stage_rows([pool], slots, addressing)[0], staged[0])
+    assert torch.equal(stage_rows([pool], slots, offsets)[0], staged[0])
     with pytest.raises(ValueError):
-        stage_rows([caches[0][:, :1]], slots, addressing)
+        stage_rows([caches[0][:, :1]], slots, offsets)
 
 
-def test_cpu_vec_addressing_is_k_transposed():
+def test_cpu_vec_offsets_are_k_transposed():
     cache = torch.zeros(B, H, N, 2 * D)
-    a = PageAddressing.from_layout(PageLayout("CPU_ATTN", D, "vec"), cache)
+    a = page_spec("CPU_ATTN", D, "vec").offsets(cache)
     n, d = torch.meshgrid(torch.arange(N), torch.arange(D), indexing="ij")
     assert torch.equal(a.k_offsets.long(), d * N + n)
     assert torch.equal(a.v_offsets.long(), N * D + n * D + d)
@@ -165,18 +159,19 @@ def test_dispatcher_torch_path_and_edge_cases():
     table = make_table("neox")
     src = staging(torch.float32, seed=3)
     rows, slots, src_pos, dst_pos = moves(4, table)
-    want, addressing, _ = target("cpu_vec", torch.float32, "uniform")
+    want, offsets, _ = target("cpu_vec", torch.float32, "uniform")
     got, _, _ = target("cpu_vec", torch.float32, "uniform")
-    gather_rearrange_reference(src, rows, slots, want, addressing, table, src_pos, dst_pos)
-    gather_rearrange(src, rows, slots, got, addressing, table, src_pos, dst_pos, impl="torch")
+    gather_rearrange_reference(src, rows, slots, want, offsets, table, src_pos, dst_pos)
+    gather_rearrange(src, rows, slots, got, offsets, table, src_pos, dst_pos, impl="torch")
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     empty = torch.zeros(0, dtype=torch.long)
-    gather_rearrange(src, empty, empty, got, addressing, table, empty, empty, impl="torch")
+    gather_rearrange(src, empty, empty, got, offsets, table, empty, empty, impl="torch")
     assert all(torch.equal(w, g) for w, g in zip(want, got))
-    with pytest.raises(ValueError):  # a cache of another shape than the addressing's
+    with pytest.raises(ValueError):  # a cache of another shape than the offsets'
         gather_rearrange_reference(src, rows, slots, [torch.zeros(B + 1, H, N, 2 * D)] * L,
-                                   addressing)
+                                   offsets)
     with pytest.raises(ValueError):  # RoPE without positions
-        gather_rearrange_reference(src, rows, slots, got, addressing, table)
+        gather_rearrange_reference(src, rows, slots, got, offsets, table)
     with pytest.raises(UnsupportedKVLayout):  # CPU pages must be contiguous
-        PageAddressing.cpu_pages(torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3), *orders("x"))
+        CpuAttnSpec("CPU_ATTN", D, positions=orders("x")).offsets(
+            torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3))

@@ -121,7 +121,7 @@ def test_partial_rotary_passes_tail_dims_through(vllm_config):
 def test_value_is_never_rotated(vllm_config):
     """Through the fused move, K is corrected and V lands bit for bit."""
     from semshare_vllm.kernels.gather_rearrange import gather_rearrange_reference
-    from semshare_vllm.kernels.page_addressing import PageAddressing
+    from semshare_vllm.layout.specs import page_spec
 
     rope = make_rope("neox", torch.float32)
     table = RopeTable.from_vllm(rope)
@@ -131,7 +131,8 @@ def test_value_is_never_rotated(vllm_config):
     cache = torch.zeros(4, 2, 8, 2 * HEAD)
     slots = torch.randperm(32)[:24]
     gather_rearrange_reference(staged, torch.arange(24), slots, [cache],
-                               PageAddressing.packed(cache), table, src_pos, dst_pos)
+                               page_spec("FLASH_ATTN", HEAD).offsets(cache), table, src_pos,
+                               dst_pos)
     k_out = cache[slots // 8, :, slots % 8, :HEAD]
     v_out = cache[slots // 8, :, slots % 8, HEAD:]
     assert torch.equal(v_out, v)

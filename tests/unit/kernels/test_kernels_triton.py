@@ -34,9 +34,8 @@ else:
         gather_rearrange,
         gather_rearrange_reference,
     )
-    from semshare_vllm.kernels.page_addressing import PageAddressing
     from semshare_vllm.kernels.rope import correct_rope, rope_correct_reference
-    from semshare_vllm.layout.kv_layout import PageLayout
+    from semshare_vllm.layout.specs import CpuAttnSpec, page_spec
 
     TABLES = ["neox", "gptj", "partial", "partial_gptj", "yarn", "neox_head80"]
 
@@ -98,17 +97,17 @@ else:
         else:
             caches = [s.view(B, H, N, 2 * head) for s in storages]
         if kind.startswith("packed"):
-            return caches, PageAddressing.packed(caches[0]).to(DEVICE)
+            return caches, page_spec("FLASH_ATTN", head).offsets(caches[0]).to(DEVICE)
         if kind == "cpu_vec":
-            return caches, PageAddressing.from_layout(PageLayout("CPU_ATTN", head, "vec"),
-                                                      caches[0]).to(DEVICE)
+            return caches, page_spec("CPU_ATTN", head, "vec").offsets(caches[0]).to(DEVICE)
         g = torch.Generator().manual_seed(7)
         k_pos = torch.randperm(N * head, generator=g).view(N, head)
         v_pos = torch.randperm(N * head, generator=g).view(N, head)
-        return caches, PageAddressing.cpu_pages(caches[0], k_pos, v_pos).to(DEVICE)
+        spec = CpuAttnSpec("CPU_ATTN", head, positions=(k_pos, v_pos))
+        return caches, spec.offsets(caches[0]).to(DEVICE)
 
     # cpu_vec pages are calibrated with vLLM's CPU ops: not on a GPU machine (cpu_permuted
-    # exercises the same table addressing there).
+    # exercises the same table offsets there).
     KINDS = [("packed", "uniform"), ("packed_token_major", "separate"),
              ("cpu_permuted", "separate")] + ([] if ON_CUDA else [("cpu_vec", "uniform")])
 
@@ -133,10 +132,10 @@ else:
         slots = torch.randperm(B * N, generator=g)[:M]
         rows, slots = rows.to(DEVICE), slots.to(DEVICE)
         src_pos, dst_pos = positions(M, table.max_position if table else 1, seed=4)
-        want, addressing = caches_for(kind, arrangement, cache_dtype, head)
+        want, offsets = caches_for(kind, arrangement, cache_dtype, head)
         got, _ = caches_for(kind, arrangement, cache_dtype, head)
-        gather_rearrange_reference(src, rows, slots, want, addressing, table, src_pos, dst_pos)
-        gather_rearrange(src, rows, slots, got, addressing, table, src_pos, dst_pos,
+        gather_rearrange_reference(src, rows, slots, want, offsets, table, src_pos, dst_pos)
+        gather_rearrange(src, rows, slots, got, offsets, table, src_pos, dst_pos,
                          impl="triton")
         for w, g_ in zip(want, got):
             assert_matches(g_, w)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from semshare_vllm.core.keys import DonorKey
-from semshare_vllm.layout.kv_layout import PageLayout
+from semshare_vllm.layout.specs import page_spec
 from semshare_vllm.store.host_store import HostKVStore
 
 L, H, D, BS = 3, 2, 32, 32
@@ -24,7 +24,7 @@ def tokens(n, seed=0):
 
 def host_store():
     return HostKVStore(64 * L * H * BS * 2 * D * 4, [f"l{i}" for i in range(L)], (H, BS, 2 * D),
-                       torch.float32, page_layout=PageLayout("CPU_ATTN", D, "vec"))
+                       torch.float32, page_layout=page_spec("CPU_ATTN", D, "vec"))
 
 
 def lmcache_store(remote_url=None):

@@ -1,15 +1,18 @@
-"""Both KV layouts: a token written through a view is read back, and lands where the backend's
-own reader expects it (packed: K|V in the last dim; CPU: where vLLM's CPU cache-write op puts
-it)."""
+"""Both KV page specs: a token written through a spec is read back, and lands where the
+backend's own reader expects it (packed: K|V in the last dim; CPU: where vLLM's CPU cache-write
+op puts it)."""
 
 import pytest
 import torch
 
-from semshare_vllm.layout.kv_layout import (
-    PackedKVView,
+from semshare_vllm.layout.paged_cache import slots_for, stack_layers
+from semshare_vllm.layout.specs import (
+    CpuAttnSpec,
+    PackedKVSpec,
     UnsupportedKVLayout,
+    WholePagesSpec,
     calibrate_cpu_pages,
-    kv_view,
+    page_spec,
 )
 
 B, H, N, D = 6, 2, 32, 32
@@ -20,51 +23,53 @@ def tokens(t, seed):
     return torch.randn(t, H, D, generator=g), torch.randn(t, H, D, generator=g)
 
 
-def test_packed_view_matches_flash_attn_reading():
+def test_packed_spec_matches_flash_attn_reading():
     kv = torch.zeros(B, H, N, 2 * D)
-    view = kv_view(kv, "FLASH_ATTN", D)
+    spec = page_spec("FLASH_ATTN", D)
+    assert isinstance(spec, PackedKVSpec)
     slots = torch.tensor([0, 5, 33, 100, 191])
     k, v = tokens(len(slots), 0)
-    view.write(slots, k, v)
+    spec.write(kv, slots, k, v)
     # FLASH_ATTN reads kv.transpose(1, 2).split(D, -1): K/V of token n of block b at [b, n, h]
     key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
     for i, s in enumerate(slots.tolist()):
         torch.testing.assert_close(key_cache[s // N, s % N], k[i])
         torch.testing.assert_close(value_cache[s // N, s % N], v[i])
-    rk, rv = view.read(slots)
+    rk, rv = spec.read(kv, slots)
     torch.testing.assert_close(rk, k)
     torch.testing.assert_close(rv, v)
 
 
-def test_packed_view_on_token_major_physical_layout():
+def test_packed_spec_on_token_major_physical_layout():
     # LBNHC: each token's [H, 2D] contiguous; the logical [B, H, N, C] is a permuted view.
     physical = torch.zeros(B, N, H, 2 * D)
     kv = physical.permute(0, 2, 1, 3)
-    view = PackedKVView(kv, D)
+    spec = PackedKVSpec("FLASH_ATTN", D)
     slots = torch.tensor([3, 64, 65])
     k, v = tokens(3, 1)
-    view.write(slots, k, v)
+    spec.write(kv, slots, k, v)
     torch.testing.assert_close(physical[2, 0, :, :D], k[1])
     torch.testing.assert_close(physical[2, 1, :, D:], v[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_view_agrees_with_vllm_cache_write(dtype):
-    """Write with vLLM's own CPU op, read with our view (and the reverse)."""
+def test_cpu_spec_agrees_with_vllm_cache_write(dtype):
+    """Write with vLLM's own CPU op, read with our spec (and the reverse)."""
     from vllm import _custom_ops as ops
 
     kv = torch.zeros(B, H, N, 2 * D, dtype=dtype)
-    view = kv_view(kv, "CPU_ATTN", D, cpu_isa="vec")
+    spec = page_spec("CPU_ATTN", D, cpu_isa="vec")
+    assert isinstance(spec, CpuAttnSpec)
     slots = torch.tensor([1, 2, 40, 63, 64, 150])
     k, v = (x.to(dtype) for x in tokens(len(slots), 2))
     key_cache, value_cache = kv.view(B, H, 2 * N, D).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
-    rk, rv = view.read(slots)
+    rk, rv = spec.read(kv, slots)
     torch.testing.assert_close(rk, k)
     torch.testing.assert_close(rv, v)
     # ...and our write is byte-identical to the op's write.
     ours = torch.zeros_like(kv)
-    kv_view(ours, "CPU_ATTN", D, cpu_isa="vec").write(slots, k, v)
+    spec.write(ours, slots, k, v)
     assert torch.equal(ours, kv)
 
 
@@ -78,48 +83,66 @@ def test_cpu_vec_kernel_stores_k_transposed():
 
 def test_unsupported_layouts_are_refused():
     with pytest.raises(UnsupportedKVLayout):
-        kv_view(torch.zeros(B, 1, N, 576), "FLASH_ATTN", 64)  # MLA-like latent cache
+        page_spec("FLASH_ATTN", 64).check(torch.zeros(B, 1, N, 576))  # MLA-like latent cache
     with pytest.raises(UnsupportedKVLayout):
-        kv_view(torch.zeros(B, H, N, 2 * D), "SOME_NEW_BACKEND", D)
+        page_spec("SOME_NEW_BACKEND", D).check(torch.zeros(B, H, N, 2 * D))
     with pytest.raises(UnsupportedKVLayout):
-        kv_view(torch.zeros(B, H, N, 2 * D), "CPU_ATTN", D)  # no ISA known
+        page_spec("CPU_ATTN", D).check(torch.zeros(B, H, N, 2 * D))  # no ISA known
+
+
+def test_a_backend_without_a_view_still_copies_whole_pages():
+    """Quantised KV of any backend moves as raw pages; only token access is refused."""
+    spec = page_spec("SOME_NEW_BACKEND", D)
+    assert isinstance(spec, WholePagesSpec)
+    src = torch.randn(1, 4, H, N, 2 * D)
+    dst = torch.zeros(1, B, H, N, 2 * D)
+    spec.copy_blocks(src, [0, 2], dst, [5, 1])
+    assert torch.equal(dst[0, 5], src[0, 0]) and torch.equal(dst[0, 1], src[0, 2])
+    with pytest.raises(UnsupportedKVLayout):
+        spec.read(dst[0], torch.tensor([0]))
+    with pytest.raises(UnsupportedKVLayout):
+        spec.offsets(dst[0])
+
+
+def test_specs_compare_and_name_by_layout():
+    """The worker checks every layer has one layout (a set of specs) and records the name."""
+    assert page_spec("FLASH_ATTN", D) == page_spec("FLASH_ATTN", D)
+    assert len({page_spec("CPU_ATTN", D, "vec"), page_spec("CPU_ATTN", D, "vec")}) == 1
+    assert page_spec("FLASH_ATTN", D) != page_spec("TRITON_ATTN", D)
+    assert page_spec("CPU_ATTN", D, "vec").name == f"CPU_ATTN/vec/{D}"
+    assert page_spec("FLASH_ATTN", D).name == f"FLASH_ATTN/-/{D}"
 
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
 @pytest.mark.parametrize("start, count", [(0, 96), (5, 100), (32, 32), (40, 10), (7, 150)])
 def test_range_io_equals_slot_io(backend, start, count):
     """Whole blocks go the fast page-copy way, partial blocks slot by slot: the same bytes."""
-    from semshare_vllm.layout.kv_layout import read_range, slots_for, write_range
-
     block_ids = [5, 2, 4, 0, 3, 1]  # a request's blocks, in position order
     k, v = tokens(count, 3)
     fast = torch.zeros(B, H, N, 2 * D)
     slow = torch.zeros(B, H, N, 2 * D)
-    fast_view = kv_view(fast, backend, D, cpu_isa="vec")
-    slow_view = kv_view(slow, backend, D, cpu_isa="vec")
-    write_range(fast_view, block_ids, start, k, v)
-    slow_view.write(slots_for(block_ids, start, start + count, N), k, v)
+    spec = page_spec(backend, D, cpu_isa="vec")
+    spec.write_range(fast, block_ids, start, k, v)
+    spec.write(slow, slots_for(block_ids, start, start + count, N), k, v)
     assert torch.equal(fast, slow)
-    rk, rv = read_range(fast_view, block_ids, start, count)
+    rk, rv = spec.read_range(fast, block_ids, start, count)
     assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
 def test_any_page_permutation_block_and_slot_paths_agree():
     """A kernel with some other in-page order (say, another ISA's tiling) is still served."""
-    from semshare_vllm.layout.kv_layout import PagedRegionKVView, read_range, write_range
-
     g = torch.Generator().manual_seed(4)
     k_pos = torch.randperm(N * D, generator=g).view(N, D)
     v_pos = torch.randperm(N * D, generator=g).view(N, D)
+    spec = CpuAttnSpec("CPU_ATTN", D, positions=(k_pos, v_pos))
     fast, slow = torch.zeros(B, H, N, 2 * D), torch.zeros(B, H, N, 2 * D)
     k, v = tokens(3 * N, 5)
-    write_range(PagedRegionKVView(fast, D, k_pos, v_pos), [4, 1, 2], 0, k, v)
-    slow_view = PagedRegionKVView(slow, D, k_pos, v_pos)
-    slow_view.write(torch.cat([torch.arange(N) + b * N for b in (4, 1, 2)]), k, v)
+    spec.write_range(fast, [4, 1, 2], 0, k, v)
+    spec.write(slow, torch.cat([torch.arange(N) + b * N for b in (4, 1, 2)]), k, v)
     assert torch.equal(fast, slow)
     # the page really is permuted: element (n=0, d=1) of block 4, head 0 sits at k_pos[0, 1]
     assert fast.view(B, H, 2, N * D)[4, 0, 0, k_pos[0, 1]] == k[0, 0, 1]
-    rk, rv = read_range(PagedRegionKVView(fast, D, k_pos, v_pos), [4, 1, 2], 0, 3 * N)
+    rk, rv = spec.read_range(fast, [4, 1, 2], 0, 3 * N)
     assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
@@ -129,24 +152,20 @@ def test_any_page_permutation_block_and_slot_paths_agree():
 def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
     """Donor pages -> cache blocks: raw page copies where aligned, token copies elsewhere; the
     target then holds exactly the donor's K/V at the new positions."""
-    from semshare_vllm.layout.kv_layout import PageLayout, copy_tokens, read_range, write_range
-
-    layout = PageLayout(backend, D, "vec")
+    spec = page_spec(backend, D, "vec")
     donor = torch.zeros(4, H, N, 2 * D)
     k, v = tokens(4 * N, 6)
-    write_range(layout.view(donor), [0, 1, 2, 3], 0, k, v)
+    spec.write_range(donor, [0, 1, 2, 3], 0, k, v)
     cache = torch.zeros(B, H, N, 2 * D)
     dst_blocks = [4, 0, 5, 2]
-    copy_tokens(donor[None], [0, 1, 2, 3], src_start, cache[None], dst_blocks, dst_start, count,
-                layout)
-    rk, rv = read_range(layout.view(cache), dst_blocks, dst_start, count)
+    spec.copy_tokens(donor[None], [0, 1, 2, 3], src_start, cache[None], dst_blocks, dst_start,
+                     count)
+    rk, rv = spec.read_range(cache, dst_blocks, dst_start, count)
     assert torch.equal(rk, k[src_start:src_start + count])
     assert torch.equal(rv, v[src_start:src_start + count])
 
 
 def test_stack_layers_views_one_buffer_and_falls_back():
-    from semshare_vllm.layout.kv_layout import stack_layers
-
     flat = torch.arange(3 * B * H * N * 2 * D, dtype=torch.float32)
     layers = [flat[i * B * H * N * 2 * D:(i + 1) * B * H * N * 2 * D].view(B, H, N, 2 * D)
               for i in range(3)]
