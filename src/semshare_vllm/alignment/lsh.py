@@ -179,7 +179,6 @@ def lsh_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
     rows = np.arange(len(free))
     d, j = dist[rows, best], idx[rows, best]
     ok = (j >= 0) & (d <= params.max_distance * params.total_bits)
-    conf = (1.0 - d[ok] / params.total_bits).astype(np.float32)
     same = donor[j[ok]] == target[free[ok]]
     kind = np.where(same, MatchKind.EXACT, MatchKind.FUZZY).astype(np.int8)
-    return builder.take("lsh", free[ok], j[ok], kind, conf)
+    return builder.take("lsh", free[ok], j[ok], kind)
