@@ -2,11 +2,14 @@
 
 Both halves count into a ``SemShareStats``; vLLM aggregates the worker's and the scheduler's
 per logging interval and prints ``reduce()`` as "KV Transfer metrics: ...". Each half also keeps
-running totals (``totals``) that tests and the benchmark read in-process.
+running totals (``totals``) that tests and the benchmark read in-process. A half's
+``StatsRecorder`` is handed to the components that count from their own threads (discovery, the
+shared donor feed), which add to it directly.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -117,23 +120,27 @@ class SemShareStats(KVConnectorStats):
 
 
 class StatsRecorder:
-    """One half's counters: an interval ``SemShareStats`` handed to vLLM, plus running totals."""
+    """One half's counters: an interval ``SemShareStats`` handed to vLLM, plus running totals.
+    Thread-safe: components add from their own threads while the engine thread takes."""
 
     def __init__(self) -> None:
         self.totals: Counter[str] = Counter()
         self._interval = SemShareStats()
+        self._lock = threading.Lock()
 
     def add(self, name: str, value: float = 1) -> None:
         if name not in COUNTERS:
             raise KeyError(name)
-        self.totals[name] += value
-        self._interval.add(name, value)
+        with self._lock:
+            self.totals[name] += value
+            self._interval.add(name, value)
 
     def take(self) -> SemShareStats | None:
         """The interval's stats (None when nothing happened); starts a new interval."""
-        if self._interval.is_empty():
-            return None
-        out, self._interval = self._interval, SemShareStats()
+        with self._lock:
+            if self._interval.is_empty():
+                return None
+            out, self._interval = self._interval, SemShareStats()
         return out
 
 

@@ -46,12 +46,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.logs import warn_once
+
+if TYPE_CHECKING:
+    from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.shared_index")
 
@@ -267,17 +270,33 @@ class SharedDonor:
         return instance, record
 
 
+# What the feed counts (``stats.COUNTERS``), by the names the transitional ``take_counts`` gives.
+_TAKE_COUNTS_NAMES = {"published": "donors_published",
+                      "publish_failures": "shared_publish_failures",
+                      "dropped": "shared_records_dropped",
+                      "forged": "shared_records_forged",
+                      "unready": "shared_records_unready",
+                      "outages": "shared_index_outages"}
+
+
 class SharedDonorFeed:
     """Publish this instance's donor records; collect the other instances' whose KV is readable
-    (``take_arrived``)."""
+    (``take_arrived``). It counts into ``stats``: donors_published, shared_publish_failures,
+    shared_records_dropped (records this format cannot read, that do not fit this engine, or
+    beyond ``MAX_PENDING``), shared_records_forged (records not signed with the secret; records
+    dropped as unready that had a readiness mark not signed with it), shared_records_unready
+    (their KV never became readable), shared_index_outages."""
 
     def __init__(self, url: str, fingerprint: str, instance: str | None = None,
                  ready_wait_s: float = READY_WAIT_S, *, secret: str, tp_size: int = 1,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int = MAX_TOKENS, stats: StatsRecorder | None = None):
         """``secret``: the key all instances sign with; ``tp_size``: this engine's
         tensor-parallel size (a record must have as many KV shards); ``max_tokens``: the most
-        tokens a record may hold (the engine's max_model_len)."""
+        tokens a record may hold (the engine's max_model_len); ``stats``: the scheduler half's
+        recorder, counted into from the feed's thread (default: one of its own)."""
         import redis
+
+        from semshare_vllm.stats import StatsRecorder
 
         if not secret:
             raise ValueError("the shared donor index needs a secret (shared_index_secret)")
@@ -295,8 +314,8 @@ class SharedDonorFeed:
         # read, waiting for their KV's readiness keys: donor id -> [record, when first read,
         # whether a mark that does not verify was seen]
         self._unready: dict[str, list] = {}
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
+        self._own_stats = stats is None
+        self.stats = StatsRecorder() if stats is None else stats
         self._last_id = b"0-0"            # catch up from the stream's start
         self._down = False
         self._stop = threading.Event()
@@ -318,13 +337,14 @@ class SharedDonorFeed:
         return out
 
     def take_counts(self) -> dict[str, int]:
-        """Counts since the last call: published, publish_failures, received, dropped (records
-        this format cannot read, that do not fit this engine, or beyond ``MAX_PENDING``), forged
-        (records not signed with the secret; records dropped as unready that had a readiness
-        mark not signed with it), unready (their KV never became readable), outages."""
-        with self._lock:
-            out, self._counts = dict(self._counts), collections.Counter()
-        return out
+        """Transitional, for a scheduler that does not hand its recorder in yet: the counts
+        since the last call by ``_TAKE_COUNTS_NAMES``' keys, when the feed counts into a recorder of
+        its own (else nothing: they are in the recorder handed in). Goes with that caller."""
+        taken = self.stats.take() if self._own_stats else None
+        if taken is None:
+            return {}
+        return {name: int(taken.data[counter]) for name, counter in _TAKE_COUNTS_NAMES.items()
+                if taken.data.get(counter)}
 
     @property
     def connected(self) -> bool:
@@ -339,10 +359,6 @@ class SharedDonorFeed:
             pass
 
     # ---- feed thread --------------------------------------------------------------------------
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
     def _loop(self) -> None:
         pause = RETRY_S[0]
         while not self._stop.is_set():
@@ -353,7 +369,7 @@ class SharedDonorFeed:
             except self._errors as exc:
                 if not self._down:
                     self._down = True
-                    self._count("outages")
+                    self.stats.add("shared_index_outages")
                     logger.warning("SemShare: the shared donor index at %s is unreachable (%s); "
                                    "this instance goes on with its own donors and retries",
                                    self.url, exc)
@@ -379,9 +395,9 @@ class SharedDonorFeed:
                 self._redis.xadd(self.stream, fields, maxlen=MAX_RECORDS, approximate=True)
             except Exception:
                 # Not retried: the donor's KV went into the same server, which may have lost it.
-                self._count("publish_failures")
+                self.stats.add("shared_publish_failures")
                 raise
-            self._count("published")
+            self.stats.add("donors_published")
 
     def _read(self) -> None:
         reply = self._redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=BLOCK_MS)
@@ -391,20 +407,20 @@ class SharedDonorFeed:
                 try:
                     if fields.get(b"v") == FORMAT and not verify_record(
                             fields, self.fingerprint, self._secret):
-                        self._count("forged")
+                        self.stats.add("shared_records_forged")
                         warn_once(logger, "shared_forged", "SemShare: a record on %s is not "
                                   "signed with this instance's shared_index_secret (another "
                                   "secret, or forged); dropped", self.stream)
                         continue
                     instance, record = SharedDonor.decode(fields, self.tp_size, self.max_tokens)
                 except Exception as exc:          # whatever its bytes, it costs that record
-                    self._count("dropped")
+                    self.stats.add("shared_records_dropped")
                     logger.debug("SemShare: unusable shared donor record %s: %s", entry_id, exc)
                     continue
                 if instance == self.instance:
                     continue
                 if len(self._unready) + len(self._arrived) >= MAX_PENDING:
-                    self._count("dropped")
+                    self.stats.add("shared_records_dropped")
                     continue
                 self._unready[record.donor_id] = [record, time.monotonic(), False]
 
@@ -429,12 +445,11 @@ class SharedDonorFeed:
                 del self._unready[record.donor_id]
                 record.kv_digests = digests
                 self._arrived.append(record)
-                self._count("received")
                 continue
             if any(v is not None and d is None for v, d in zip(values, digests)):
                 entry[2] = True                  # a mark is there, not signed with the secret
             if now - since > self.ready_wait_s:
                 del self._unready[record.donor_id]
-                self._count("unready")
+                self.stats.add("shared_records_unready")
                 if entry[2]:
-                    self._count("forged")
+                    self.stats.add("shared_records_forged")
