@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding
+from semshare_vllm.discovery.service import Tally
 from semshare_vllm.logs import warn_once
 
 if TYPE_CHECKING:
@@ -293,10 +294,8 @@ class SharedDonorFeed:
         """``secret``: the key all instances sign with; ``tp_size``: this engine's
         tensor-parallel size (a record must have as many KV shards); ``max_tokens``: the most
         tokens a record may hold (the engine's max_model_len); ``stats``: the scheduler half's
-        recorder, counted into from the feed's thread (default: one of its own)."""
+        recorder, counted into from the feed's thread."""
         import redis
-
-        from semshare_vllm.stats import StatsRecorder
 
         if not secret:
             raise ValueError("the shared donor index needs a secret (shared_index_secret)")
@@ -314,8 +313,7 @@ class SharedDonorFeed:
         # read, waiting for their KV's readiness keys: donor id -> [record, when first read,
         # whether a mark that does not verify was seen]
         self._unready: dict[str, list] = {}
-        self._own_stats = stats is None
-        self.stats = StatsRecorder() if stats is None else stats
+        self.stats: StatsRecorder | Tally = Tally() if stats is None else stats
         self._last_id = b"0-0"            # catch up from the stream's start
         self._down = False
         self._stop = threading.Event()
@@ -338,13 +336,13 @@ class SharedDonorFeed:
 
     def take_counts(self) -> dict[str, int]:
         """Transitional, for a scheduler that does not hand its recorder in yet: the counts
-        since the last call by ``_TAKE_COUNTS_NAMES``' keys, when the feed counts into a recorder of
-        its own (else nothing: they are in the recorder handed in). Goes with that caller."""
-        taken = self.stats.take() if self._own_stats else None
-        if taken is None:
+        since the last call, by ``_TAKE_COUNTS_NAMES``' keys, when none was handed in (else
+        nothing: they are in that recorder). Goes with that caller."""
+        if not isinstance(self.stats, Tally):
             return {}
-        return {name: int(taken.data[counter]) for name, counter in _TAKE_COUNTS_NAMES.items()
-                if taken.data.get(counter)}
+        taken = self.stats.take()
+        return {name: int(taken[counter]) for name, counter in _TAKE_COUNTS_NAMES.items()
+                if taken.get(counter)}
 
     @property
     def connected(self) -> bool:

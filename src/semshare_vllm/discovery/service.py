@@ -71,6 +71,25 @@ class Embedded:
     embed_ms: float
 
 
+class Tally:
+    """Counts taken all at once (``take``), thread-safe: where a component counts when it was
+    handed no ``StatsRecorder`` (transitional, for ``take_faults`` / ``take_counts``; no vLLM
+    import, as ``stats`` has)."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._counts[name] += value
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self._counts = dict(self._counts), collections.Counter()
+        return out
+
+
 class _JobThread:
     """One thread running the callables put to it, in order."""
 
@@ -112,10 +131,7 @@ class DiscoveryService:
                  index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str,
                  min_shared_grams: float = 0.0, gram_match_share: float = GRAM_MATCH_SHARE,
                  stats: StatsRecorder | None = None):
-        """``stats``: the recorder faults are counted into, from the discovery threads (default:
-        one of the service's own)."""
-        from semshare_vllm.stats import StatsRecorder
-
+        """``stats``: the recorder faults are counted into, from the discovery threads."""
         self.index = index
         self.embedder_id = embedder_id   # what snapshots are tagged with
         self.top_k = top_k
@@ -128,8 +144,7 @@ class DiscoveryService:
         self._embedder_lock = threading.Lock()
         self.failed: str | None = None         # why discovery is off, once it is
         self._embedded: collections.deque[Embedded] = collections.deque()
-        self._own_stats = stats is None
-        self.stats = StatsRecorder() if stats is None else stats
+        self.stats: StatsRecorder | Tally = Tally() if stats is None else stats
         self._faults_logged: set[str] = set()
         self._registering = True
         self._urgent = _JobThread("semshare-lookup", 0, self._fault)
@@ -196,10 +211,11 @@ class DiscoveryService:
 
     def take_faults(self) -> int:
         """Transitional, for a scheduler that does not hand its recorder in yet: the faults
-        since the last call, when the service counts into a recorder of its own (else 0: they
-        are in the recorder handed in). Goes with that caller."""
-        taken = self.stats.take() if self._own_stats else None
-        return int(taken.data.get("discovery_faults", 0)) if taken is not None else 0
+        since the last call when none was handed in (else 0: they are in that recorder). Goes
+        with that caller."""
+        if not isinstance(self.stats, Tally):
+            return 0
+        return int(self.stats.take().get("discovery_faults", 0))
 
     def stop_registrations(self) -> None:
         """Donors queued for embedding from now on are dropped (shutdown)."""

@@ -2,9 +2,10 @@
 
 Public entries:
 
-* ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``), ``UnsupportedRope`` and
-  ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate cached keys from the donor's
-  positions to the target's, exactly (``rope_correct_reference`` is the torch version);
+* ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``, ``RopeTable.from_model(model)``),
+  ``UnsupportedRope`` and ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate
+  cached keys from the donor's positions to the target's, exactly (``rope_correct_reference``
+  is the torch version);
 * ``PageAddressing`` (``.packed``, ``.cpu_pages``, ``.from_layout``) and
   ``gather_rearrange(src, src_rows, dst_slots, caches, addressing, table, src_pos, dst_pos)``:
   gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
