@@ -66,7 +66,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         return _sdpa(q, k, v, None, scale)   # every position: the plain causal kernel
     # Scattered queries need a mask, and a masked kernel skips no key blocks: in chunks of
     # consecutive queries, each chunk reads only the keys up to its last position (about half
-    # the work; 2.2x faster than one masked call for 15% of 2K positions on CPU).
+    # the work; docs/benchmarks.md, "Selective recompute").
     out = torch.empty_like(q)
     chunks = max(1, min(ATTEND_CHUNKS, s // ATTEND_MIN_CHUNK))
     bounds = [s * i // chunks for i in range(chunks + 1)]
@@ -151,7 +151,8 @@ def _is_tail(positions: torch.Tensor, context: int) -> bool:
 
 def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, context) -> torch.Tensor:
     """CPU_ATTN layouts, queries = the context's last tokens: vLLM's own ops write K/V and
-    attend (2-3x faster than SDPA over gathered K/V at 2K tokens), exactly as a prefill does."""
+    attend (faster than SDPA over gathered K/V: docs/benchmarks.md, "Selective recompute"),
+    exactly as a prefill does."""
     cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
     return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale,
                                            lay.cpu_isa)
