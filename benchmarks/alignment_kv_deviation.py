@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from semshare_vllm.alignment import AlignParams, EmbeddingTable, SentenceSplitter, align
-from semshare_vllm.alignment.result import MatchKind
+from semshare_vllm.alignment.result import Alignment, MatchKind
 from semshare_vllm.kernels import RopeTable, correct_rope
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.models import smollm2
@@ -58,22 +59,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1).clamp_min(1e-6)).numpy()
 
 
-def categories(al) -> dict[str, np.ndarray]:
-    """Target positions by what aligned them."""
+def categories(al: Alignment, stages_to: dict[str, Alignment]) -> dict[str, np.ndarray]:
+    """Target positions by what aligned them. ``stages_to``: per stage, the alignment of the same
+    pair by the stages up to it (each stage only fills what the earlier ones left, so a position
+    belongs to the first stage whose alignment covers it)."""
     n = len(al.donor_pos)
     head = np.zeros(n, dtype=bool)
     in_run = np.zeros(n, dtype=bool)
-    for run in al.runs:
-        if al.confidence[run.target_start] == 1.0:       # runs of the exact stage
-            in_run[run.target_start:run.target_start + run.length] = True
-            head[run.target_start:run.target_start + min(4, run.length)] = True
-    conf, kind = al.confidence, al.kind
-    lsh = (al.donor_pos >= 0) & ~in_run & ~np.isin(conf, (0.9, 0.5))
+    for run in stages_to["exact"].runs:                 # runs of the exact stage
+        in_run[run.target_start:run.target_start + run.length] = True
+        head[run.target_start:run.target_start + min(4, run.length)] = True
+    by_edit = (stages_to["sentence"].donor_pos >= 0) & ~in_run      # edit or sentence stage
+    lsh = (al.donor_pos >= 0) & ~in_run & ~by_edit
+    kind = al.kind
     return {
         "run, first 4 tokens": np.flatnonzero(head),
         "run, rest": np.flatnonzero(in_run & ~head),
-        "edit/sentence: equal token": np.flatnonzero(~in_run & (conf == 0.9)),
-        "edit/sentence: replaced word": np.flatnonzero(conf == 0.5),
+        "edit/sentence: equal token": np.flatnonzero(by_edit & (kind == MatchKind.EXACT)),
+        "edit/sentence: replaced word": np.flatnonzero(by_edit & (kind == MatchKind.FUZZY)),
         "lsh: same token": np.flatnonzero(lsh & (kind == MatchKind.EXACT)),
         "lsh: other token": np.flatnonzero(lsh & (kind == MatchKind.FUZZY)),
     }
@@ -104,11 +107,14 @@ def main() -> None:
     rows: dict[tuple[str, int], list[np.ndarray]] = {}
     for _, target, donor in cases:
         t, d = tok(target)["input_ids"], tok(donor)["input_ids"]
-        al = align(t, d, AlignParams(), table, splitter)
+        params = AlignParams()
+        al = align(t, d, params, table, splitter)
+        stages_to = {stage: align(t, d, replace(params, stages=params.stages[:i + 1]), table,
+                                  splitter) for i, stage in enumerate(params.stages)}
         kv_t, kv_d = model_kv(model, t), model_kv(model, d)
         src_all = torch.as_tensor(al.donor_pos)
         randpos = torch.as_tensor(np.random.default_rng(0).integers(0, len(d), len(t)))
-        for name, idx in categories(al).items():
+        for name, idx in categories(al, stages_to).items():
             if not len(idx):
                 continue
             tgt = torch.as_tensor(idx)

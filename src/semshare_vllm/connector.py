@@ -24,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from semshare_vllm.alignment import AlignParams
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.service import build_discovery
 from semshare_vllm.layout.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
@@ -35,7 +36,8 @@ from semshare_vllm.worker import SemShareWorker
 logger = logging.getLogger("vllm.semshare")
 
 
-def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None = None):
+def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None = None,
+                      stats: StatsRecorder | None = None):
     """The shared donor index (``shared_index_url``, records signed with
     ``shared_index_secret``), or None (unset, or the ``[lmcache]`` extra that brings redis-py
     missing: this instance then keeps its donors to itself, with one warning). Records must have
@@ -47,7 +49,7 @@ def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None =
 
         return SharedDonorFeed(config.shared_index_url, geometry.fingerprint,
                                secret=config.shared_index_secret, tp_size=geometry.tp_size,
-                               max_tokens=max_tokens or MAX_TOKENS)
+                               max_tokens=max_tokens or MAX_TOKENS, stats=stats)
     except Exception as exc:
         logger.warning("SemShare: the shared donor index is off (this instance's donors only): "
                        "%s: %s", type(exc).__name__, exc)
@@ -75,15 +77,17 @@ class SemShareConnector(KVConnectorBase_V1):
             if geometry.exact_only and not geometry.unsupported:
                 logger.warning("SemShare: exact-prefix reuse only: %s", geometry.exact_only)
             # Quantised KV (exact_only): no semantic discovery, so no semantic claims.
+            stats = StatsRecorder()   # the scheduler half's, which discovery and the feed share
             discovery = None if geometry.unsupported or geometry.exact_only else build_discovery(
-                self.config, vllm_config.model_config.tokenizer)
+                self.config, vllm_config.model_config.tokenizer, stats)
             aligner = None if discovery is None else Aligner(
                 AlignParams.from_config(self.config), vllm_config.model_config.model,
                 vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
             # exact_only: no LMCache tier on the worker, so shared donors could not be fetched
             feed = None if geometry.unsupported or geometry.exact_only else shared_donor_feed(
-                self.config, geometry, vllm_config.model_config.max_model_len)
-            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed)
+                self.config, geometry, vllm_config.model_config.max_model_len, stats)
+            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed,
+                                               stats)
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
             self.worker = SemShareWorker(self.config, geometry, vllm_config)
@@ -164,7 +168,7 @@ class SemShareConnector(KVConnectorBase_V1):
     # ---- both ---------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         half = self.scheduler or self.worker
-        return half.stats.take()
+        return SemShareStats.of(half.stats.take())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

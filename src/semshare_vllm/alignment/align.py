@@ -88,7 +88,7 @@ class DonorFeatures:
 
 def _empty(n: int) -> Alignment:
     return Alignment(np.full(n, -1, dtype=np.int64), np.full(n, MatchKind.NONE, dtype=np.int8),
-                     np.zeros(n, dtype=np.float32), ())
+                     ())
 
 
 def align(target: Sequence[int] | np.ndarray,

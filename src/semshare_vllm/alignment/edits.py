@@ -15,8 +15,6 @@ from rapidfuzz.distance import Levenshtein
 
 from semshare_vllm.alignment.result import AlignmentBuilder, MatchKind, Run
 
-EQUAL_CONFIDENCE = 0.9      # same token, context edited nearby
-REPLACE_CONFIDENCE = 0.5    # a different token in the replaced word's place
 # Largest gap pair (target tokens x donor tokens) edit-aligned as a whole: bounds the work.
 MAX_CELLS = 16_000_000
 
@@ -51,8 +49,7 @@ def take_edit_map(builder: AlignmentBuilder, stage: str, t0: int, d0: int,
     free = builder.free[t0 + ti]
     ti, di, eq = ti[free], di[free], eq[free]
     kind = np.where(eq, MatchKind.EXACT, MatchKind.FUZZY).astype(np.int8)
-    conf = np.where(eq, EQUAL_CONFIDENCE, REPLACE_CONFIDENCE).astype(np.float32)
-    taken = builder.take(stage, t0 + ti, d0 + di, kind, conf)
+    taken = builder.take(stage, t0 + ti, d0 + di, kind)
     if eq.any():
         # consecutive equal positions on one diagonal form one run
         te, de = ti[eq], di[eq]

@@ -46,10 +46,9 @@ class EmbeddingTable:
     @functools.cached_property
     def common_directions(self) -> tuple[np.ndarray, np.ndarray]:
         """(mean row, top principal directions ``[dim, 10]``) of the vocabulary: what every
-        token shares. Averaged embeddings are dominated by it (unrelated sentences have a
-        cosine of ~0.96); removing it ("all-but-the-top", Mu & Viswanath 2018) separates them:
-        measured on SmolLM2, sentences with 30% of words replaced keep a median cosine of 0.88
-        with their original, while an unrelated sentence's best match has a median of 0.65."""
+        token shares. Averaged embeddings are dominated by it (unrelated sentences come out
+        nearly parallel); removing it ("all-but-the-top", Mu & Viswanath 2018) separates edited
+        sentences from unrelated ones (figures: docs/benchmarks.md, "Alignment")."""
         rows = self.vectors[np.random.default_rng(0).permutation(len(self.vectors))[:16384]]
         mean = self.vectors.mean(axis=0)
         x = rows - mean

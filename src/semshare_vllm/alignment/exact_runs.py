@@ -110,8 +110,7 @@ def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.nd
             taken[s:s + seg_len] = True
             used.append(Run(s, run.donor_start + seg_start, seg_len))
     kind = np.where(taken, MatchKind.EXACT, MatchKind.NONE).astype(np.int8)
-    return Alignment(donor_pos, kind, taken.astype(np.float32),
-                     tuple(sorted(used, key=lambda r: r.target_start)),
+    return Alignment(donor_pos, kind, tuple(sorted(used, key=lambda r: r.target_start)),
                      {"exact": int(taken.sum())})
 
 

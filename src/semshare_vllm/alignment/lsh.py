@@ -11,8 +11,8 @@ binary flat index (exact Hamming search, popcount-vectorised).
 Parameters the paper leaves open (see README, "Alignment"): bits per table, number of tables,
 the hyperplane seed, the RoPE pairing and base, the largest distance accepted, and how ties are
 broken (optionally: the candidate nearest the position the neighbouring alignment predicts;
-measured on reworded text it changed nothing that mattered and costs 1.5x the search, so it is
-off by default).
+on reworded text it changed nothing that mattered and makes the search slower, so it is off by
+default; figures in docs/architecture.md, "Alignment").
 
 ``lsh_similarity`` is the paper's prompt-level score (appendix A.3):
 ``clip(1 - (d - min_dist) / (max_dist - min_dist), 0, 1)``, d = the mean over target tokens of
@@ -123,8 +123,8 @@ def nearest(queries: np.ndarray, codes: np.ndarray, k: int) -> tuple[np.ndarray,
     """Hamming distances and indices of the ``k`` nearest ``codes`` to each query."""
     import faiss
 
-    # One thread: measured on a 2-core machine, 8K x 8K 64-bit codes take 41 ms on one thread
-    # and 174 ms on two (contention with torch's pool). Only this thread's setting changes.
+    # One thread: more contend with torch's pool and are slower (docs/benchmarks.md,
+    # "Alignment"). Only this thread's setting changes.
     faiss.omp_set_num_threads(1)
     index = faiss.IndexBinaryFlat(codes.shape[1] * 8)
     index.add(np.ascontiguousarray(codes))
@@ -179,7 +179,6 @@ def lsh_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
     rows = np.arange(len(free))
     d, j = dist[rows, best], idx[rows, best]
     ok = (j >= 0) & (d <= params.max_distance * params.total_bits)
-    conf = (1.0 - d[ok] / params.total_bits).astype(np.float32)
     same = donor[j[ok]] == target[free[ok]]
     kind = np.where(same, MatchKind.EXACT, MatchKind.FUZZY).astype(np.int8)
-    return builder.take("lsh", free[ok], j[ok], kind, conf)
+    return builder.take("lsh", free[ok], j[ok], kind)

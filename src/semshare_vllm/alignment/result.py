@@ -31,7 +31,6 @@ class Run:
 class Alignment:
     donor_pos: np.ndarray     # [target_len] int64: donor position, or -1
     kind: np.ndarray          # [target_len] int8: MatchKind
-    confidence: np.ndarray    # [target_len] float32 in [0, 1]
     runs: tuple[Run, ...]     # the token-identical runs used, in target order
     # Positions each stage aligned, by stage name ("exact", "edit", "sentence", "lsh").
     stage_counts: dict[str, int] = field(default_factory=dict)
@@ -66,7 +65,6 @@ class AlignmentBuilder:
     def __init__(self, start: Alignment):
         self.donor_pos = start.donor_pos.copy()
         self.kind = start.kind.copy()
-        self.confidence = start.confidence.copy()
         self.runs = list(start.runs)
         self.stage_counts = dict(start.stage_counts)
 
@@ -75,7 +73,7 @@ class AlignmentBuilder:
         return self.donor_pos < 0
 
     def take(self, stage: str, target_pos: np.ndarray, donor_pos: np.ndarray,
-             kind: np.ndarray | int, confidence: np.ndarray | float) -> int:
+             kind: np.ndarray | int) -> int:
         """Assign the still-free ones of ``target_pos``; returns how many were taken."""
         target_pos = np.asarray(target_pos, dtype=np.int64)
         keep = self.donor_pos[target_pos] < 0
@@ -83,11 +81,10 @@ class AlignmentBuilder:
         self.donor_pos[t] = np.asarray(donor_pos, dtype=np.int64)[keep] if np.ndim(donor_pos) \
             else donor_pos
         self.kind[t] = np.asarray(kind)[keep] if np.ndim(kind) else kind
-        self.confidence[t] = np.asarray(confidence)[keep] if np.ndim(confidence) else confidence
         self.stage_counts[stage] = self.stage_counts.get(stage, 0) + len(t)
         return len(t)
 
     def build(self) -> Alignment:
-        return Alignment(self.donor_pos, self.kind, self.confidence,
+        return Alignment(self.donor_pos, self.kind,
                          tuple(sorted(self.runs, key=lambda r: r.target_start)),
                          self.stage_counts)

@@ -50,6 +50,7 @@ from typing import Iterable
 
 import numpy as np
 
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.logs import warn_once
 
@@ -269,14 +270,19 @@ class SharedDonor:
 
 class SharedDonorFeed:
     """Publish this instance's donor records; collect the other instances' whose KV is readable
-    (``take_arrived``)."""
+    (``take_arrived``). It counts into ``stats``: donors_published, shared_publish_failures,
+    shared_records_dropped (records this format cannot read, that do not fit this engine, or
+    beyond ``MAX_PENDING``), shared_records_forged (records not signed with the secret; records
+    dropped as unready that had a readiness mark not signed with it), shared_records_unready
+    (their KV never became readable), shared_index_outages."""
 
     def __init__(self, url: str, fingerprint: str, instance: str | None = None,
                  ready_wait_s: float = READY_WAIT_S, *, secret: str, tp_size: int = 1,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int = MAX_TOKENS, stats: StatsRecorder | None = None):
         """``secret``: the key all instances sign with; ``tp_size``: this engine's
         tensor-parallel size (a record must have as many KV shards); ``max_tokens``: the most
-        tokens a record may hold (the engine's max_model_len)."""
+        tokens a record may hold (the engine's max_model_len); ``stats``: the scheduler half's
+        recorder, counted into from the feed's thread."""
         import redis
 
         if not secret:
@@ -295,8 +301,7 @@ class SharedDonorFeed:
         # read, waiting for their KV's readiness keys: donor id -> [record, when first read,
         # whether a mark that does not verify was seen]
         self._unready: dict[str, list] = {}
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
+        self.stats = StatsRecorder() if stats is None else stats
         self._last_id = b"0-0"            # catch up from the stream's start
         self._down = False
         self._stop = threading.Event()
@@ -317,15 +322,6 @@ class SharedDonorFeed:
             out.append(self._arrived.popleft())
         return out
 
-    def take_counts(self) -> dict[str, int]:
-        """Counts since the last call: published, publish_failures, received, dropped (records
-        this format cannot read, that do not fit this engine, or beyond ``MAX_PENDING``), forged
-        (records not signed with the secret; records dropped as unready that had a readiness
-        mark not signed with it), unready (their KV never became readable), outages."""
-        with self._lock:
-            out, self._counts = dict(self._counts), collections.Counter()
-        return out
-
     @property
     def connected(self) -> bool:
         return not self._down
@@ -339,10 +335,6 @@ class SharedDonorFeed:
             pass
 
     # ---- feed thread --------------------------------------------------------------------------
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
     def _loop(self) -> None:
         pause = RETRY_S[0]
         while not self._stop.is_set():
@@ -353,7 +345,7 @@ class SharedDonorFeed:
             except self._errors as exc:
                 if not self._down:
                     self._down = True
-                    self._count("outages")
+                    self.stats.add("shared_index_outages")
                     logger.warning("SemShare: the shared donor index at %s is unreachable (%s); "
                                    "this instance goes on with its own donors and retries",
                                    self.url, exc)
@@ -379,9 +371,9 @@ class SharedDonorFeed:
                 self._redis.xadd(self.stream, fields, maxlen=MAX_RECORDS, approximate=True)
             except Exception:
                 # Not retried: the donor's KV went into the same server, which may have lost it.
-                self._count("publish_failures")
+                self.stats.add("shared_publish_failures")
                 raise
-            self._count("published")
+            self.stats.add("donors_published")
 
     def _read(self) -> None:
         reply = self._redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=BLOCK_MS)
@@ -391,20 +383,20 @@ class SharedDonorFeed:
                 try:
                     if fields.get(b"v") == FORMAT and not verify_record(
                             fields, self.fingerprint, self._secret):
-                        self._count("forged")
+                        self.stats.add("shared_records_forged")
                         warn_once(logger, "shared_forged", "SemShare: a record on %s is not "
                                   "signed with this instance's shared_index_secret (another "
                                   "secret, or forged); dropped", self.stream)
                         continue
                     instance, record = SharedDonor.decode(fields, self.tp_size, self.max_tokens)
                 except Exception as exc:          # whatever its bytes, it costs that record
-                    self._count("dropped")
+                    self.stats.add("shared_records_dropped")
                     logger.debug("SemShare: unusable shared donor record %s: %s", entry_id, exc)
                     continue
                 if instance == self.instance:
                     continue
                 if len(self._unready) + len(self._arrived) >= MAX_PENDING:
-                    self._count("dropped")
+                    self.stats.add("shared_records_dropped")
                     continue
                 self._unready[record.donor_id] = [record, time.monotonic(), False]
 
@@ -429,12 +421,11 @@ class SharedDonorFeed:
                 del self._unready[record.donor_id]
                 record.kv_digests = digests
                 self._arrived.append(record)
-                self._count("received")
                 continue
             if any(v is not None and d is None for v, d in zip(values, digests)):
                 entry[2] = True                  # a mark is there, not signed with the secret
             if now - since > self.ready_wait_s:
                 del self._unready[record.donor_id]
-                self._count("unready")
+                self.stats.add("shared_records_unready")
                 if entry[2]:
-                    self._count("forged")
+                    self.stats.add("shared_records_forged")

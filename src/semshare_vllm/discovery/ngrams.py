@@ -2,10 +2,10 @@
 
 A semantic hit needs at least ``min_alignment_coverage`` (default 80%) of the claim aligned to
 the *same* tokens, and same tokens come in runs: a donor that shares almost no token 4-gram with
-a prompt cannot reach that, however close their embeddings. Measured on real text (SmolLM2's
-tokenizer, Wikipedia extracts): unrelated documents share at most 1.5% of their 4-grams
-(median 0.4%), a document with half its words replaced still shares 15% with its original (a
-fifth replaced: 47%). So a lookup first asks ``GramTable.top``: below the threshold
+a prompt cannot reach that, however close their embeddings. On real text unrelated documents
+share almost none of their 4-grams, while an edited document keeps a clear share with its
+original (figures: docs/benchmarks.md, "Discovery quality"). So a lookup first asks
+``GramTable.top``: below the threshold
 (``lookup_min_shared_grams``, 5%) it answers "nothing" without embedding the prompt, so a request
 with no possible donor is not held back for the embedder; and a donor holding at least half of
 the prompt's grams (the same document behind another instruction, the same passages reordered,

@@ -12,6 +12,9 @@ The scheduler half hands work over and picks results up; it never blocks here:
 * ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
 * ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
+A job that fails counts one ``discovery_faults`` in ``stats`` (the scheduler half's
+``StatsRecorder``, handed in) and is logged once per kind.
+
 Registrations and snapshots run on a second thread at a lower CPU priority (nice +10): nothing
 waits for them, so on a busy CPU they yield to vLLM's own threads. The embedder is loaded as
 soon as the service starts; if it cannot load, discovery stays off (logged once) and lookups
@@ -30,6 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.embedder import DocumentEmbedding, Embedder
 from semshare_vllm.discovery.ngrams import sample_grams
 from semshare_vllm.discovery.simhash import simhash
@@ -63,6 +67,7 @@ class Embedded:
     embedding: DocumentEmbedding
     fingerprint: int
     embed_ms: float
+
 
 
 class _JobThread:
@@ -104,7 +109,9 @@ class _JobThread:
 class DiscoveryService:
     def __init__(self, make_embedder: Callable[[], Embedder], detokenize: Callable[[list], str],
                  index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str,
-                 min_shared_grams: float = 0.0, gram_match_share: float = GRAM_MATCH_SHARE):
+                 min_shared_grams: float = 0.0, gram_match_share: float = GRAM_MATCH_SHARE,
+                 stats: StatsRecorder | None = None):
+        """``stats``: the recorder faults are counted into, from the discovery threads."""
         self.index = index
         self.embedder_id = embedder_id   # what snapshots are tagged with
         self.top_k = top_k
@@ -117,9 +124,8 @@ class DiscoveryService:
         self._embedder_lock = threading.Lock()
         self.failed: str | None = None         # why discovery is off, once it is
         self._embedded: collections.deque[Embedded] = collections.deque()
-        self._faults = 0
+        self.stats = StatsRecorder() if stats is None else stats
         self._faults_logged: set[str] = set()
-        self._faults_lock = threading.Lock()
         self._registering = True
         self._urgent = _JobThread("semshare-lookup", 0, self._fault)
         self._background = _JobThread("semshare-embed", BACKGROUND_NICE, self._fault)
@@ -182,11 +188,6 @@ class DiscoveryService:
         while self._embedded:
             out.append(self._embedded.popleft())
         return out
-
-    def take_faults(self) -> int:
-        with self._faults_lock:
-            n, self._faults = self._faults, 0
-        return n
 
     def stop_registrations(self) -> None:
         """Donors queued for embedding from now on are dropped (shutdown)."""
@@ -273,8 +274,7 @@ class DiscoveryService:
             self._fault("register", exc)
 
     def _fault(self, where: str, exc: Exception) -> None:
-        with self._faults_lock:
-            self._faults += 1
+        self.stats.add("discovery_faults")
         if where not in self._faults_logged:
             self._faults_logged.add(where)
             logger.warning("SemShare: discovery %s failed (counted; logged once per kind): %s",
@@ -294,10 +294,11 @@ def hf_detokenizer(tokenizer_path: str) -> Callable[[list], str]:
     return detokenize
 
 
-def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | None:
+def build_discovery(config, tokenizer_path: str | None,
+                    stats: StatsRecorder | None = None) -> DiscoveryService | None:
     """The discovery service the config asks for (None: ``embedder`` is "none", the model has
     no tokenizer to turn prompts back into text, or the embedder's model is not installed: then
-    discovery is off with one warning, and vLLM starts as usual)."""
+    discovery is off with one warning, and vLLM starts as usual), counting into ``stats``."""
     if config.embedder == "none" or not tokenizer_path:
         return None
     from semshare_vllm.discovery.embedder import (
@@ -318,4 +319,4 @@ def build_discovery(config, tokenizer_path: str | None) -> DiscoveryService | No
                             hf_detokenizer(tokenizer_path), index, top_k=config.top_k,
                             threshold=config.similarity_threshold,
                             embedder_id=embedder_id,
-                            min_shared_grams=config.lookup_min_shared_grams)
+                            min_shared_grams=config.lookup_min_shared_grams, stats=stats)

@@ -240,7 +240,7 @@ class VectorIndex:
         index.train(train)
         index.nprobe = self.nprobe
         # Donors leave one at a time on the scheduler thread: an id -> list map makes each
-        # removal O(1) instead of a scan of every list (0.33 ms -> 0.015 ms at 200k donors).
+        # removal O(1) instead of a scan of every list (docs/benchmarks.md, "Discovery speed").
         index.set_direct_map_type(faiss.DirectMap.Hashtable)
         return index
 

@@ -2,9 +2,10 @@
 
 Public entries:
 
-* ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``), ``UnsupportedRope`` and
-  ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate cached keys from the donor's
-  positions to the target's, exactly (``rope_correct_reference`` is the torch version);
+* ``RopeTable`` (``RopeTable.from_vllm(rotary_emb)``, ``RopeTable.from_model(model)``),
+  ``UnsupportedRope`` and ``correct_rope(k, src_pos, dst_pos, table, out=None)``: re-rotate
+  cached keys from the donor's positions to the target's, exactly (``rope_correct_reference``
+  is the torch version);
 * ``gather_rearrange(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)``:
   gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
   (``gather_rearrange_reference`` is the torch version); ``stage_rows(pages, slots, offsets)``

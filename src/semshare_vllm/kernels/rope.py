@@ -8,10 +8,11 @@ in the cached key, so the table used here is normalised to a pure rotation.
 
 V is never rotated: RoPE applies to queries and keys only, so V moves as is.
 
-The angle table comes from vLLM's rotary module itself (``RopeTable.from_vllm``), so linear,
-dynamic-NTK, llama3, YaRN and DeepSeek-YaRN scaling are whatever vLLM computes. Every float op
-below is done in fp32, in the order the Triton kernels (``triton_rope``) use too, so both give
-bit-identical fp32 results where the hardware does not fuse multiply-adds.
+The angle table comes from vLLM's rotary module itself (``RopeTable.from_vllm`` /
+``from_model``, read through ``vllm_compat.rotary``), so linear, dynamic-NTK, llama3, YaRN and
+DeepSeek-YaRN scaling are whatever vLLM computes. Every float op below is done in fp32, in the
+order the Triton kernels (``triton_rope``) use too, so both give bit-identical fp32 results where
+the hardware does not fuse multiply-adds.
 """
 
 from __future__ import annotations
@@ -20,26 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from semshare_vllm.vllm_compat.rotary import UnsupportedRope as UnsupportedRope  # re-exported
+from semshare_vllm.vllm_compat.rotary import model_rotary_embedding, rotary_angles
+
 from .dispatch import use_triton
-
-# vLLM rotary classes verified to be "one position -> one angle table, rotary dims first"
-# (tests/unit/kernels/test_kernels_rope.py checks each against the module's own forward).
-# Anything else (mrope variants with 3-D positions, Phi3 LongRoPE's two tables, dual-chunk, Gemma4's
-# proportional rope, Fourier rope, DeepSeek-V4 with rotary dims last, ...) is refused.
-SUPPORTED_ROPE_CLASSES = frozenset({
-    "RotaryEmbedding",
-    "LinearScalingRotaryEmbedding",
-    "NTKScalingRotaryEmbedding",
-    "DynamicNTKScalingRotaryEmbedding",
-    "DynamicNTKAlphaRotaryEmbedding",
-    "Llama3RotaryEmbedding",
-    "YaRNScalingRotaryEmbedding",
-    "DeepseekScalingRotaryEmbedding",
-})
-
-
-class UnsupportedRope(RuntimeError):
-    """This rotary embedding is not a single position->angle table; the caller recomputes."""
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compare by identity
@@ -80,26 +65,16 @@ class RopeTable:
 
     @classmethod
     def from_vllm(cls, rotary_emb, device: torch.device | str | None = None) -> RopeTable:
-        """The table of a vLLM rotary module (what ``get_rope`` returns)."""
-        name = type(rotary_emb).__name__
-        if name not in SUPPORTED_ROPE_CLASSES:
-            raise UnsupportedRope(f"rotary embedding {name} is not a single angle table")
-        if len(getattr(rotary_emb, "scaling_factors", (1.0,))) != 1:
-            # Linear scaling with several LoRA factors stacks one table per factor.
-            raise UnsupportedRope(f"{name} with several scaling factors")
-        compute = getattr(rotary_emb, "_compute_cos_sin_cache", None)
-        # Recompute in fp32: the registered buffer is cast to the model dtype (often bf16).
-        table = compute() if compute is not None else rotary_emb.cos_sin_cache
-        table = table.detach().to(device="cpu", dtype=torch.float32)
-        half = rotary_emb.rotary_dim // 2
-        # YaRN-style tables hold mscale * (cos | sin); cos(0) = 1, so row 0 reads mscale per dim.
-        scale = table[0, :half]
-        if not bool((scale > 0).all()):
-            raise UnsupportedRope(f"{name}: angle table row 0 is not a rotation")
-        if not bool((scale == 1).all()):
-            table = table / torch.cat((scale, scale))
-        return cls(table.contiguous().to(device or "cpu"), int(rotary_emb.head_size),
-                   int(rotary_emb.rotary_dim), bool(rotary_emb.is_neox_style))
+        """The table of a vLLM rotary module (what ``get_rope`` returns); ``UnsupportedRope``
+        for one that is not a single angle table (``vllm_compat.rotary``)."""
+        angles = rotary_angles(rotary_emb)
+        return cls(angles.cos_sin.to(device or "cpu"), angles.head_size, angles.rotary_dim,
+                   angles.is_neox)
+
+    @classmethod
+    def from_model(cls, model, device: torch.device | str | None = None) -> RopeTable:
+        """The table of a loaded vLLM model's own rotary module (Llama structure)."""
+        return cls.from_vllm(model_rotary_embedding(model), device)
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compare by identity

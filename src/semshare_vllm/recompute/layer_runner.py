@@ -14,11 +14,15 @@ measuring on the way what the policy (``policy.Selection``) asked for: each posi
 deviation from the donor K/V it replaces, the attention the last tokens pay. After each layer
 the policy may narrow S; the hidden states of the positions it keeps flow to the next layer.
 
-vLLM's own attention op cannot be called here (it needs the step's forward-context metadata),
-so attention is torch SDPA over the gathered K/V on CPU; a CUDA path (flash-attention varlen)
-goes behind the same ``attend`` function later. Only the model's modules are used, so any
-decoder with the Llama structure works: Llama, Mistral, Qwen2, Qwen3 (q/k norms inside its own
-attention forward). Anything else raises ``UnsupportedModel`` at start-up.
+vLLM's attention layer cannot be called here (it needs the step's forward-context metadata).
+Where the layer's backend is CPU_ATTN and the recomputed positions are the context's last ones
+(a prefill's shape), vLLM's own CPU kernels write the cache and attend over the paged cache
+(``vllm_compat.cpu_attention``); otherwise (any other backend or device, scattered positions,
+probe passes) attention is torch SDPA over the K/V gathered from the paged cache, in causal
+chunks (``attend``). Only the model's modules are used, so any decoder with the Llama structure
+works: Llama, Mistral, Qwen2, Qwen3 (q/k norms inside its own attention forward). The model's
+structure is read through ``vllm_compat.decoder_layers``; anything else raises
+``UnsupportedModel`` at start-up.
 """
 
 from __future__ import annotations
@@ -34,21 +38,17 @@ from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
 from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
 from semshare_vllm.vllm_compat import cpu_attention
-
-# Causal LMs with the Llama decoder structure (model.model.layers[i].self_attn.attn).
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
-                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-
-
-class UnsupportedModel(RuntimeError):
-    """The loaded model is not one the runner can drive; recompute stays off."""
+from semshare_vllm.vllm_compat.decoder_layers import (
+    DecoderLayer,
+    UnsupportedModel,
+    attention_replaced,
+    decoder_stack,
+)
 
 
 @dataclass
 class _Layer:
-    module: torch.nn.Module        # the decoder layer
-    holder: torch.nn.Module        # the module whose ``attn`` attribute is the vLLM Attention
-    attn: torch.nn.Module
+    decoder: DecoderLayer          # the decoder layer, as vllm_compat reads it
     cache: torch.Tensor            # this layer's paged cache
     spec: PageSpec                 # ... its page layout, to read and write it by token
     cpu_isa: str | None            # CPU_ATTN layouts: vLLM's kernels serve prefill-shaped runs
@@ -67,7 +67,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         return _sdpa(q, k, v, None, scale)   # every position: the plain causal kernel
     # Scattered queries need a mask, and a masked kernel skips no key blocks: in chunks of
     # consecutive queries, each chunk reads only the keys up to its last position (about half
-    # the work; 2.2x faster than one masked call for 15% of 2K positions on CPU).
+    # the work; docs/benchmarks.md, "Selective recompute").
     out = torch.empty_like(q)
     chunks = max(1, min(ATTEND_CHUNKS, s // ATTEND_MIN_CHUNK))
     bounds = [s * i // chunks for i in range(chunks + 1)]
@@ -152,7 +152,8 @@ def _is_tail(positions: torch.Tensor, context: int) -> bool:
 
 def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, context) -> torch.Tensor:
     """CPU_ATTN layouts, queries = the context's last tokens: vLLM's own ops write K/V and
-    attend (2-3x faster than SDPA over gathered K/V at 2K tokens), exactly as a prefill does."""
+    attend (faster than SDPA over gathered K/V: docs/benchmarks.md, "Selective recompute"),
+    exactly as a prefill does."""
     cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
     return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale,
                                            lay.cpu_isa)
@@ -179,38 +180,19 @@ class LayerRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: dict[str, torch.Tensor],
                  layout: PageSpec):
-        name = type(model).__name__
-        if name not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModel(f"{name} is not a Llama-structure model the runner knows")
-        from vllm.model_executor.layers.attention.attention import Attention
-
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(inner, "embed_input_ids"):
-            raise UnsupportedModel(f"{name}: no model.layers / embed_input_ids")
-        if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer",
-                                                            len(layers)) != len(layers):
-            raise UnsupportedModel("pipeline-parallel stages are not supported")
-        self.model, self.embed, self.norm = model, inner.embed_input_ids, inner.norm
+        self.model = model
+        self.stack = decoder_stack(model)        # UnsupportedModel where it is not one we drive
+        self.embed = self.stack.embed
         self.layers: list[_Layer] = []
-        for i, layer in enumerate(layers):
-            holder = getattr(layer, "self_attn", None)
-            attn = getattr(holder, "attn", None)
-            if not isinstance(attn, Attention):
-                raise UnsupportedModel(f"{name}: layer {i} has no vLLM Attention at self_attn.attn")
-            impl = attn.impl
-            if attn.sliding_window is not None or getattr(impl, "logits_soft_cap", 0) or \
-                    getattr(attn, "has_sink", False):
-                raise UnsupportedModel(f"{name}: layer {i} uses sliding window, soft cap or sinks")
-            cache = kv_caches.get(attn.layer_name)
+        isa = layout.cpu_isa if layout.backend.upper() == "CPU_ATTN" else None
+        for layer in self.stack.layers:
+            cache = kv_caches.get(layer.layer_name)
             if cache is None:
-                raise UnsupportedModel(f"no KV cache registered for {attn.layer_name}")
-            isa = layout.cpu_isa if layout.backend.upper() == "CPU_ATTN" else None
+                raise UnsupportedModel(f"no KV cache registered for {layer.layer_name}")
             layout.check(cache)
-            self.layers.append(_Layer(layer, holder, attn, cache, layout, isa,
-                                      attn.num_heads, attn.num_kv_heads, attn.head_size,
-                                      float(impl.scale)))
-        self.device = next(model.parameters()).device
+            self.layers.append(_Layer(layer, cache, layout, isa, layer.num_heads,
+                                      layer.num_kv_heads, layer.head_size, layer.scale))
+        self.device = self.stack.device
 
     @torch.inference_mode()
     def recompute(self, token_ids: list[int], block_ids: list[int],
@@ -248,12 +230,12 @@ class LayerRunner:
             if probe_first:
                 # Every position's K/V first (norm + qkv only; the layer mutates its inputs in
                 # place, hence the copies), then the full layer for those the selection keeps.
-                with _standing_in(lay.holder, stand_in), contextlib.suppress(_Probed):
-                    lay.module(pos, hidden.clone(),
-                               None if residual is None else residual.clone())
+                with attention_replaced(lay.decoder, stand_in), contextlib.suppress(_Probed):
+                    lay.decoder(pos, hidden.clone(),
+                                None if residual is None else residual.clone())
             else:
-                with _standing_in(lay.holder, stand_in):
-                    hidden, residual = lay.module(pos, hidden, residual)
+                with attention_replaced(lay.decoder, stand_in):
+                    hidden, residual = lay.decoder(pos, hidden, residual)
             probe = LayerProbe(index, pos_np,
                                None if stand_in.deviation is None
                                else stand_in.deviation.cpu().numpy(),
@@ -268,11 +250,11 @@ class LayerRunner:
             if probe_first:
                 stand_in = _RecomputeAttention(lay, block_ids, pos, all_slots[pos], context,
                                                False, 0)
-                with _standing_in(lay.holder, stand_in):
-                    hidden, residual = lay.module(pos, hidden, residual)
+                with attention_replaced(lay.decoder, stand_in):
+                    hidden, residual = lay.decoder(pos, hidden, residual)
         final = None
         if final_hidden:
-            final, _ = self.norm(hidden, residual)
+            final = self.stack.final_norm(hidden, residual)
         return RecomputeResult(pos_np, final, counts)
 
 
@@ -282,12 +264,3 @@ class RecomputeResult:
     hidden: torch.Tensor | None        # their final hidden states (``final_hidden``)
     per_layer: list[int]               # how many positions each layer recomputed
 
-
-@contextlib.contextmanager
-def _standing_in(holder: torch.nn.Module, stand_in: torch.nn.Module):
-    original = holder.attn
-    holder.attn = stand_in
-    try:
-        yield
-    finally:
-        holder.attn = original

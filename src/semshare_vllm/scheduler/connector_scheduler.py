@@ -21,6 +21,7 @@ from semshare_vllm.catalog.donor_index import DonorIndex, PrefixMatch
 from semshare_vllm.catalog.eviction import make_policy
 from semshare_vllm.catalog.shared_index import SharedDonorFeed
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.identity import keyable, namespace_of
 from semshare_vllm.discovery.service import DiscoveryService
 from semshare_vllm.layout.geometry import KVGeometry
@@ -46,7 +47,6 @@ from semshare_vllm.scheduler.request_params import (
 from semshare_vllm.scheduler.request_state import RequestState
 from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 from semshare_vllm.vllm_compat import prefix_cache_flags
 
@@ -58,10 +58,11 @@ class SemShareScheduler:
 
     def __init__(self, config: SemShareConfig, geometry: KVGeometry,
                  discovery: DiscoveryService | None = None, aligner: Aligner | None = None,
-                 feed: SharedDonorFeed | None = None):
+                 feed: SharedDonorFeed | None = None, stats: StatsRecorder | None = None):
         self.config = config
         self.geometry = geometry
-        self.stats = StatsRecorder()
+        # the same recorder discovery and the feed count into, from their own threads
+        self.stats = StatsRecorder() if stats is None else stats
         self.discovery = None if geometry.unsupported else discovery
         policy = make_policy(config.eviction_policy, half_life_s=config.decay_half_life_s,
                              threshold=config.divergence_threshold)

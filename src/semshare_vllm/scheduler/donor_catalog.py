@@ -4,8 +4,8 @@ worker must drop at its next step, and whether anything changed since the last s
 from __future__ import annotations
 
 from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
-from semshare_vllm.stats import StatsRecorder
 
 
 class DonorCatalog:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from semshare_vllm.catalog.donor_index import PrefixMatch
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.metadata import FailedLoad, LoadSpec
 from semshare_vllm.scheduler.planner import SemanticPlan
 from semshare_vllm.scheduler.request_state import RequestState
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 
 # Outputs after a request finished during which a failure of its load may still come back

@@ -10,13 +10,13 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from semshare_vllm.catalog.donor_index import DonorRecord
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.discovery.snapshot import SnapshotEntry, load_snapshot, write_snapshot
 from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.logs import warn_once
 from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.semantic_search import SemanticSearch
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.store import donor_file
 
 logger = logging.getLogger("vllm.semshare.scheduler")

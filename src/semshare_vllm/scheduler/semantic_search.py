@@ -15,13 +15,13 @@ import time
 
 from semshare_vllm.catalog.donor_index import DonorRecord
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed
 from semshare_vllm.discovery.service import DiscoveryService, Lookup
 from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.scheduler.request_params import claim_limit, reuse_limit, reuse_mode
 from semshare_vllm.scheduler.request_state import DiscoveryJob, RequestState, SemanticMatch
-from semshare_vllm.stats import StatsRecorder
 
 WAIT = object()   # "ask again next step": the request's job is still running
 
@@ -188,6 +188,3 @@ class SemanticSearch:
         for e in self.discovery.take_embedded():
             if self.catalog.set_embedding(e.key, e.serial, e.embedding, e.fingerprint):
                 self.stats.add("embed_ms", e.embed_ms)
-        faults = self.discovery.take_faults()
-        if faults:
-            self.stats.add("discovery_faults", faults)

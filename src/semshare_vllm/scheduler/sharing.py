@@ -9,23 +9,14 @@ import logging
 
 from semshare_vllm.catalog.donor_index import DonorRecord
 from semshare_vllm.catalog.shared_index import SharedDonor, SharedDonorFeed
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.logs import warn_once
 from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.semantic_search import SemanticSearch
-from semshare_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm.semshare.scheduler")
-
-# The feed's counts -> the connector's counters.
-_FEED_COUNTERS = (("published", "donors_published"),
-                  ("publish_failures", "shared_publish_failures"),
-                  ("dropped", "shared_records_dropped"),
-                  ("forged", "shared_records_forged"),
-                  ("unready", "shared_records_unready"),
-                  ("outages", "shared_index_outages"))
-
 
 class DonorSharing:
     def __init__(self, feed: SharedDonorFeed | None, geometry: KVGeometry,
@@ -63,10 +54,6 @@ class DonorSharing:
         catalog)."""
         if self.feed is None:
             return
-        counts = self.feed.take_counts()
-        for name, counter in _FEED_COUNTERS:
-            if counts.get(name):
-                self.stats.add(counter, counts[name])
         for shared in self.feed.take_arrived():
             try:
                 self._add(shared)

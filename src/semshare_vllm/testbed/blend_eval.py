@@ -56,7 +56,7 @@ class BlendBench:
         self.cold_blocks = list(range(nd, nd + nt))
         self.blend_blocks = list(range(nd + nt, nd + 2 * nt))
         self.runner = LayerRunner(model, self.caches, layout)
-        self.rope = RopeTable.from_vllm(model.model.layers[0].self_attn.rotary_emb)
+        self.rope = RopeTable.from_model(model)
         self.alignment = align(target, donor, params)
         n = len(target)
         self.runner.recompute(self.donor, self.donor_blocks, np.arange(len(donor)))

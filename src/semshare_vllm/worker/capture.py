@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.kernels import stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import CaptureSpec
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.worker.reports import WorkerReport
 from semshare_vllm.worker.setup import WorkerKV

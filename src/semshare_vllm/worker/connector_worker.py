@@ -18,6 +18,7 @@ import logging
 import torch
 
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.logs import guarded
@@ -27,7 +28,6 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.worker import setup
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.loads import Loads

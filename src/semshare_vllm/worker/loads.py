@@ -1,8 +1,8 @@
 """Loads: donor KV written into the fresh blocks of a request that claimed it.
 
-An exact load copies the donor's tokens as they are (the page spec's ``copy_tokens``); a semantic load moves
-each aligned donor row to its own position, K re-rotated (``gather_rearrange`` with RoPE), and
-is then repaired (``repair.py``). The donor is read from the host store, from its own blocks
+An exact load copies the donor's tokens as they are (the page spec's ``copy_tokens``); a
+semantic load moves each aligned donor row to its own position, K re-rotated
+(``gather_rearrange`` with RoPE), and is then repaired (``repair.py``). The donor is read from the host store, from its own blocks
 while it is still being captured, or from the LMCache tier when only that holds it.
 
 A load that cannot be done reports its blocks through ``get_block_ids_with_load_errors``, so
@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import gather_rearrange, stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import RopeTable
 from semshare_vllm.layout.specs import PageOffsets
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.recompute.policy import make_selection
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.worker.reports import WorkerReport
 
 logger = logging.getLogger("vllm.semshare.worker")

@@ -138,7 +138,7 @@ def make_repairer(config: SemShareConfig, geometry: KVGeometry, vllm_config,
                 "the plugin hook saw no model load (model runners wrapped: "
                 f"{', '.join(model_hook.installed()) or 'none'})")
         return Repairer(LayerRunner(model, kv_caches, layout),
-                        RopeTable.from_vllm(model.model.layers[0].self_attn.rotary_emb),
+                        RopeTable.from_model(model),
                         layout.offsets(cache))
     except Exception as exc:
         logger.warning("SemShare: selective recompute is off on this worker: %s", exc)

@@ -16,10 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
-from semshare_vllm.stats import StatsRecorder
 from semshare_vllm.store.base import DonorKVStore
 from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
 

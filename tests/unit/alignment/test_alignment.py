@@ -51,7 +51,6 @@ def check_consistent(al, target, donor):
     same = np.zeros(len(t), dtype=bool)
     same[aligned] = t[aligned] == d[al.donor_pos[aligned]]
     assert np.array_equal(al.kind == MatchKind.EXACT, same)   # EXACT means the same token
-    assert ((al.confidence > 0) == aligned).all() and (al.confidence <= 1).all()
     assert sum(al.stage_counts.values()) == aligned.sum()
     for run in al.runs:
         span = slice(run.target_start, run.target_start + run.length)
@@ -164,7 +163,7 @@ def test_lsh_maps_an_identical_prompt_onto_itself(tok, table):
     ids = np.asarray(tok(P.Sources(4).wiki_doc())["input_ids"])
     al = align(ids, ids, AlignParams(stages=("lsh",)), table)
     assert np.array_equal(al.donor_pos, np.arange(len(ids)))
-    assert al.stage_counts == {"lsh": len(ids)} and (al.confidence == 1).all()
+    assert al.stage_counts == {"lsh": len(ids)}
 
 
 def test_lsh_similarity_falls_as_text_is_reworded(tok, table):

@@ -20,6 +20,7 @@ from semshare_vllm.catalog.shared_index import (
     ready_key,
     sign_record,
 )
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.testbed.redis_server import RedisServer
 
@@ -27,7 +28,13 @@ SECRET = "test-secret"
 
 
 def Feed(url, fingerprint="fp", **kw):
-    return SharedDonorFeed(url, fingerprint, secret=kw.pop("secret", SECRET), **kw)
+    """A feed counting into a recorder of its own (``feed.stats``), as the scheduler's."""
+    return SharedDonorFeed(url, fingerprint, secret=kw.pop("secret", SECRET),
+                           stats=StatsRecorder(), **kw)
+
+
+def counts(feed):
+    return feed.stats.totals
 
 
 def shard_digest(donor_id, rank):
@@ -95,8 +102,7 @@ def test_records_cross_instances_intact_and_never_come_back_to_their_sender(redi
         assert first.kv_digests == [shard_digest(did(1), 0)]
         time.sleep(0.3)
         assert a.take_arrived() == []                     # its own records are skipped
-        assert a.take_counts().get("published") == 2
-        assert b.take_counts().get("received") == 2
+        assert counts(a)["donors_published"] == 2
     finally:
         a.close()
         b.close()
@@ -142,9 +148,9 @@ def test_an_outage_is_counted_and_reading_resumes_when_redis_is_back():
         # donor-3 arrives, and nothing twice
         got = [r.donor_id for r in arrivals(b, 2, timeout_s=5)]
         assert did(3) in got and len(set(got)) == len(got) and did(1) not in got
-        counts_a, counts_b = a.take_counts(), b.take_counts()
-        assert counts_a.get("outages") == 1 and counts_b.get("outages") == 1
-        assert counts_a.get("publish_failures", 0) + counts_a.get("published", 0) == 3
+        counts_a, counts_b = counts(a), counts(b)
+        assert counts_a["shared_index_outages"] == 1 and counts_b["shared_index_outages"] == 1
+        assert counts_a["shared_publish_failures"] + counts_a["donors_published"] == 3
     finally:
         a.close()
         b.close()
@@ -164,7 +170,7 @@ def test_an_unreadable_record_is_dropped_and_counted(redis):
         try:
             publish_ready(feed_b, donor(4))
             assert [r.donor_id for r in arrivals(feed, 1)] == [did(4)]
-            assert feed.take_counts().get("dropped") == 2
+            assert counts(feed)["shared_records_dropped"] == 2
         finally:
             feed_b.close()
         client.close()
@@ -190,7 +196,7 @@ def test_a_record_waits_for_every_rank_and_is_dropped_if_its_kv_never_comes(redi
         assert got.donor_id == did(5)
         assert got.kv_digests == [shard_digest(did(5), 0), shard_digest(did(5), 1)]
         time.sleep(1.5)
-        assert b.take_arrived() == [] and b.take_counts().get("unready") == 1
+        assert b.take_arrived() == [] and counts(b)["shared_records_unready"] == 1
     finally:
         a.close()
         b.close()
@@ -238,8 +244,7 @@ def test_forged_records_are_dropped_counted_and_never_arrive(redis, client):
         assert [r.donor_id for r in arrivals(feed, 1)] == [did(20)]
         time.sleep(0.3)
         assert feed.take_arrived() == []
-        counts = feed.take_counts()
-        assert counts.get("forged") == 6 and counts.get("received") == 1
+        assert counts(feed)["shared_records_forged"] == 6
     finally:
         feed.close()
 
@@ -257,9 +262,8 @@ def test_a_readiness_mark_without_the_secret_never_releases_a_record(redis, clie
         for record in (plain, other_secret, other_donor):
             a.publish(record)
         assert arrivals(b, 1, timeout_s=2.0) == []
-        counts = b.take_counts()
-        assert counts.get("unready") == 3 and counts.get("forged") == 3
-        assert "received" not in counts
+        assert counts(b)["shared_records_unready"] == 3
+        assert counts(b)["shared_records_forged"] == 3
         mark_ready(redis.url, plain)                   # its real mark comes too late
         time.sleep(0.3)
         assert b.take_arrived() == []
@@ -318,8 +322,7 @@ def test_records_that_do_not_fit_this_engine_are_dropped_and_the_feed_goes_on(re
         assert [r.donor_id for r in got] == [did(70)] and time.monotonic() - t0 < 5.0
         time.sleep(0.3)
         assert feed.take_arrived() == []
-        counts = feed.take_counts()
-        assert counts.get("dropped") == len(bad) and counts.get("received") == 1
+        assert counts(feed)["shared_records_dropped"] == len(bad)
     finally:
         feed.close()
 
@@ -341,9 +344,9 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     and vLLM computes it), counted as tier_digest_mismatches."""
     import vllm.distributed.parallel_state as parallel_state
 
+    from semshare_vllm.core.counters import StatsRecorder
     from semshare_vllm.core.keys import DonorKey
     from semshare_vllm.metadata import LoadSpec
-    from semshare_vllm.stats import StatsRecorder
     from semshare_vllm.store.host_store import DonorUnavailable
     from semshare_vllm.worker.tier import Tier
 

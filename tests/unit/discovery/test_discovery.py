@@ -265,3 +265,28 @@ def test_a_missing_embedder_model_leaves_vllm_starting(monkeypatch):
     monkeypatch.setattr(embedder, "packaged_minilm", absent)
     assert service.build_discovery(SemShareConfig(), "/some/tokenizer") is None
     assert service.build_discovery(SemShareConfig(embedder="none"), "/some/tokenizer") is None
+
+
+def test_failed_jobs_count_as_discovery_faults_in_the_recorder_handed_in():
+    """A failing job (a lookup, a registration, any other) costs itself: counted in the
+    scheduler's recorder, from the discovery threads, and the threads go on."""
+    from semshare_vllm.core.counters import StatsRecorder
+
+    class Broken(BagOfTokens):
+        def embed(self, text):
+            raise RuntimeError("embedder fault")
+
+    stats = StatsRecorder()
+    service = DiscoveryService(Broken, lambda ids: " ".join(map(str, ids)),
+                               VectorIndex(dim=VOCAB, kind="exact"), top_k=3, threshold=0.6,
+                               embedder_id="bag-v1", gram_match_share=2.0, stats=stats)
+    try:
+        service.register("donor", 1, DOC)                          # its embedding fails
+        failed = service.lookup("", DOC)                           # so does the search's
+        assert service.run(lambda: 1 / 0).exception(10) is not None
+        assert failed.exception(10) is not None
+        assert service.wait_idle()
+        assert stats.totals["discovery_faults"] == 3
+        assert service.run(lambda: "still running").result(10) == "still running"
+    finally:
+        service.close()

@@ -17,8 +17,8 @@ def test_a_fault_kind_is_warned_once_then_logged_at_debug(caplog):
 
 
 def test_a_guarded_callback_counts_logs_once_and_falls_back(caplog):
+    from semshare_vllm.core.counters import StatsRecorder
     from semshare_vllm.logs import guarded
-    from semshare_vllm.stats import StatsRecorder
 
     class Half:
         logger = logging.getLogger("vllm.semshare.test_guard")

@@ -6,6 +6,7 @@ import torch
 from support.scheduler import LAYERS, Blocks, finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey, donor_id_for
 from semshare_vllm.metadata import SemShareWorkerMetadata
 from semshare_vllm.scheduler import SemShareScheduler
@@ -192,20 +193,22 @@ def test_prompt_logprobs_requests_are_served_only_up_to_their_reuse_limit():
 
 
 class FakeFeed:
-    """Stands in for ``SharedDonorFeed`` (its own tests run on a real redis-server)."""
+    """Stands in for ``SharedDonorFeed`` (its own tests run on a real redis-server); counts, as
+    the real one does, into the recorder it is handed."""
 
-    def __init__(self, arrivals=()):
+    def __init__(self, arrivals=(), stats=None):
         self.published, self.arrivals, self.closed = [], list(arrivals), False
+        self.stats = stats
 
     def publish(self, record):
         self.published.append(record)
 
     def take_arrived(self):
+        if self.arrivals and self.stats is not None:
+            self.stats.add("shared_index_outages")
+            self.stats.add("shared_records_forged", 2)
         out, self.arrivals = self.arrivals, []
         return out
-
-    def take_counts(self):
-        return {"outages": 1, "forged": 2} if self.arrivals else {}
 
     def close(self):
         self.closed = True
@@ -234,9 +237,6 @@ class FakeDiscovery:
 
     def take_embedded(self):
         return []
-
-    def take_faults(self):
-        return 0
 
     def run_background(self, job):
         pass
@@ -291,8 +291,9 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
                          kv_digests=digests)
     other = list(range(800, 900))
     undigested = SharedDonor("t", donor_id_for("t", other), other, 100)   # no KV digests
-    feed = FakeFeed([good, forged, undigested])
-    s = SemShareScheduler(shared_config(), geometry(), feed=feed)
+    stats = StatsRecorder()                     # the connector hands the feed the scheduler's
+    feed = FakeFeed([good, forged, undigested], stats)
+    s = SemShareScheduler(shared_config(), geometry(), feed=feed, stats=stats)
     s.build_connector_meta(None)
     assert s.stats.totals["donors_shared_in"] == 1
     assert s.stats.totals["shared_records_dropped"] == 2

@@ -1,0 +1,106 @@
+"""Every counter the connector keeps, with what it counts, and the recorder each half counts
+into. No vLLM import: discovery and the catalog count here too (``stats.py`` hands the counts
+to vLLM)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+# Every counter, with what it counts. Scheduler-side first, then worker-side.
+COUNTERS: dict[str, str] = {
+    "lookups": "requests the scheduler looked up",
+    "lookup_tokens": "prompt tokens looked up (beyond vLLM's own prefix cache)",
+    "hits": "requests served (partly) from a donor",
+    "hit_tokens": "prompt tokens claimed from donors",
+    "donors_registered": "finished requests accepted as donors",
+    "donors_evicted": "donors evicted (capacity) or dropped (found bad)",
+    "donors_restored": "donors found again in persist_dir at start-up",
+    "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
+    "persisted_incomplete": "partial donor files a killed writer left, removed at start-up",
+    "fallbacks": "lookups or captures abandoned because of a connector fault",
+    "semantic_lookups": "requests whose semantic donor search was started",
+    "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",
+    "semantic_misses": "searches that finished and found none",
+    "lookups_without_shared_grams": "of those, answered at once: no donor shares enough token "
+                                    "4-grams to be aligned (lookup_min_shared_grams)",
+    "lookup_timeouts": "searches not finished by lookup_deadline_ms (request went on without)",
+    "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
+    "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",
+    "donors_embedded": "donors made searchable (embedded off the scheduler thread)",
+    "embed_ms": "milliseconds the discovery threads spent embedding (lookups and donors)",
+    "discovery_faults": "discovery jobs that failed (the request went on without)",
+    "donors_published": "donors announced on the shared index (their KV readable in LMCache's "
+                        "remote backend)",
+    "donors_shared_in": "donors other instances announced, added to this instance's index",
+    "shared_records_dropped": "shared-index records not used (unreadable, id not matching "
+                              "their tokens, backlog full)",
+    "shared_records_forged": "shared-index records, or the readiness marks of their KV, not "
+                             "signed with shared_index_secret (dropped)",
+    "shared_records_unready": "shared-index records dropped because their KV never became "
+                              "readable (the announcing instance's LMCache put failed)",
+    "shared_index_outages": "times the shared index became unreachable (this instance went on "
+                            "with its own donors until it was back)",
+    "shared_publish_failures": "donor announcements lost to a shared-index outage",
+    "semantic_hits": "requests served from a semantic (aligned, not exact-prefix) donor",
+    "exact_reused_tokens": "of the semantic hits' claimed tokens, those given the same token's KV",
+    "fuzzy_reused_tokens": "of those, given another token's KV (always recomputed)",
+    "align_ms": "milliseconds from starting a request's alignment to its result",
+    "align_timeouts": "alignments not done by lookup_deadline_ms (request went on without)",
+    "loaded_tokens": "tokens written into the paged KV cache from donors",
+    "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
+    "load_failures": "loads that failed (request recomputed those tokens)",
+    "captured_tokens": "tokens copied out of the paged KV cache into the host store",
+    "captured_donors": "donors captured",
+    "load_ms": "milliseconds spent loading donor KV",
+    "tier_puts": "donors put in the LMCache tier (kv_tier), readable by other instances",
+    "tier_put_failures": "donors the LMCache tier did not take (e.g. its backend unreachable)",
+    "tier_put_ms": "milliseconds of tier puts, to readable (off the engine thread)",
+    "tier_fetches": "loads whose donor was fetched from the LMCache tier into the host store",
+    "tier_fetched_tokens": "tokens of donor KV fetched from the LMCache tier",
+    "tier_fetch_ms": "milliseconds spent fetching donor KV from the LMCache tier",
+    "tier_digest_mismatches": "another instance's donor KV fetched from the LMCache tier that "
+                              "was not what its rank signed (the load failed: recomputed)",
+    "capture_ms": "milliseconds spent capturing donor KV",
+    "recomputed_tokens": "loaded tokens recomputed through the model (in their first layer)",
+    "recomputed_token_layers": "token-layers recomputed (a token recomputed in 3 layers: 3)",
+    "recompute_unavailable_tokens": "loaded tokens needing repair with no layer runner here "
+                                    "(reported failed: vLLM computed them)",
+    "recompute_failures": "recomputes that failed (vLLM computed those tokens instead)",
+    "recompute_ms": "milliseconds spent recomputing loaded tokens",
+    "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
+                     "deviation of the loaded tokens at the policy's check layer)",
+    "deviation_count": "repaired semantic loads whose deviation was measured",
+    "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
+    "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",
+    "unkeyable_requests": "requests never served nor captured: their token ids do not say what "
+                          "their KV is (prompt embeddings)",
+    "failed_blocks_uncached": "blocks of failed loads (and those computed after them) taken out "
+                              "of vLLM's prefix cache",
+}
+
+
+class StatsRecorder:
+    """One half's counters: the current interval's (taken for vLLM's stats channel) and running
+    totals (read in-process by tests and benchmarks). Thread-safe: the components it is handed
+    to add from their own threads while the engine thread takes."""
+
+    def __init__(self) -> None:
+        self.totals: Counter[str] = Counter()
+        self._interval: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, value: float = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        with self._lock:
+            self.totals[name] += value
+            self._interval[name] += value
+
+    def take(self) -> dict[str, float] | None:
+        """The interval's counts (None when nothing happened); starts a new interval."""
+        with self._lock:
+            if not any(self._interval.values()):
+                return None
+            out, self._interval = dict(self._interval), Counter()
+        return out
