@@ -2,8 +2,9 @@
 
 An exact load copies the donor's tokens as they are (the page spec's ``copy_tokens``); a
 semantic load moves each aligned donor row to its own position, K re-rotated
-(``gather_rearrange`` with RoPE), and is then repaired (``repair.py``). The donor is read from the host store, from its own blocks
-while it is still being captured, or from the LMCache tier when only that holds it.
+(``gather_rearrange`` with RoPE), and is then repaired (``repair.py``). The donor is read from
+the host store, from its own blocks while it is still being captured, or from the LMCache tier
+when only that holds it.
 
 A load that cannot be done reports its blocks through ``get_block_ids_with_load_errors``, so
 vLLM recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
