@@ -1,5 +1,5 @@
 """``SemShareConnector``: the class vLLM loads. Thin: it validates the config and delegates to the
-scheduler half (``scheduler.py``) or the worker half (``worker/``).
+scheduler half (``scheduler/``) or the worker half (``worker/``).
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"SemShareConnector",
         "kv_connector_module_path":"semshare_vllm.connector","kv_role":"kv_both"}'

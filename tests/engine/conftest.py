@@ -18,3 +18,17 @@ def tok(model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_kv_connector_per_module():
+    """vLLM keeps an in-process engine's worker-side connector in a global, which the next
+    engine reuses if it is still set: each module's engine must leave with its connector (else
+    the next module's engine runs with the previous one's worker half, e.g. its geometry)."""
+    yield
+    import gc
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    gc.collect()
+    ensure_kv_transfer_shutdown()

@@ -105,8 +105,8 @@ def stage_rows(pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
                offsets: PageOffsets) -> torch.Tensor:
     """The K|V rows at ``slots`` of every layer's pages, as ``gather_rearrange``'s staging
     tensor ``[L, M, H, 2*D]`` (the inverse of its scatter, without the rotation): one element
-    gather per layer through the same offsets (2x faster on CPU than reading K and V
-    apart and concatenating)."""
+    gather per layer through the same offsets (faster than reading K and V apart and
+    concatenating them: docs/benchmarks.md, "Kernels")."""
     pages = list(pages)
     if not pages:
         raise ValueError("no layers to stage")
