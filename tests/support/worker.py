@@ -42,7 +42,8 @@ def make_worker(monkeypatch, geom=None, config=None, bound=None):
     bound = bound or {}
     ctx = {name: fake_layer(bound.get(name)) for name in LAYERS}
     vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
-    # No vLLM distributed state here: the pool is a stand-in, nothing else is built.
+    # No vLLM distributed state here: rank 0, the pool a stand-in, nothing else is built.
+    monkeypatch.setattr(setup.tensor_parallel, "tp_rank", lambda: 0)
     monkeypatch.setattr(setup, "make_store",
                         lambda *a: SimpleNamespace(capacity_bytes=1 << 20, close=lambda: None))
     return SemShareWorker(config or SemShareConfig(recompute_policy="none"), geom or geometry(),

@@ -38,6 +38,7 @@ from semshare_vllm.discovery.embedder import DocumentEmbedding, Embedder
 from semshare_vllm.discovery.ngrams import sample_grams
 from semshare_vllm.discovery.simhash import simhash
 from semshare_vllm.discovery.vector_index import Candidate, VectorIndex
+from semshare_vllm.logs import warn_once
 
 logger = logging.getLogger("vllm.semshare.discovery")
 
@@ -125,7 +126,6 @@ class DiscoveryService:
         self.failed: str | None = None         # why discovery is off, once it is
         self._embedded: collections.deque[Embedded] = collections.deque()
         self.stats = StatsRecorder() if stats is None else stats
-        self._faults_logged: set[str] = set()
         self._registering = True
         self._urgent = _JobThread("semshare-lookup", 0, self._fault)
         self._background = _JobThread("semshare-embed", BACKGROUND_NICE, self._fault)
@@ -275,10 +275,8 @@ class DiscoveryService:
 
     def _fault(self, where: str, exc: Exception) -> None:
         self.stats.add("discovery_faults")
-        if where not in self._faults_logged:
-            self._faults_logged.add(where)
-            logger.warning("SemShare: discovery %s failed (counted; logged once per kind): %s",
-                           where, exc, exc_info=exc)
+        warn_once(logger, f"discovery:{where}", "SemShare: discovery %s failed: %s", where, exc,
+                  exc_info=exc)
 
 
 def hf_detokenizer(tokenizer_path: str) -> Callable[[list], str]:

@@ -21,7 +21,7 @@ from semshare_vllm.layout.paged_cache import stack_layers
 from semshare_vllm.layout.specs import PageSpec, UnsupportedKVLayout, page_spec
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.store.host_store import HostKVStore, fit_to_memory
-from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.attention_layers import AttentionLayer, attention_layers
 from semshare_vllm.worker.repair import Repairer
 from semshare_vllm.worker.tier import Tier
@@ -61,9 +61,10 @@ def build(kv_caches: dict[str, torch.Tensor], config: SemShareConfig, geometry: 
     if len(layouts) != 1:
         raise UnsupportedKVLayout(f"layers differ in page layout: {layouts}")
     layout, stacks = layouts.pop(), stack_layers(caches)
-    store = make_store(config, geometry, layout, caches[0])
+    rank = tensor_parallel.tp_rank()
+    store = make_store(config, geometry, layout, caches[0], rank)
     repairer = make_repairer(config, geometry, vllm_config, kv_caches, layout, caches[0])
-    tier = make_tier(config, geometry, stats)
+    tier = make_tier(config, geometry, stats, rank)
     return WorkerKV(caches, stacks, layout, geometry.block_size, store, tier, repairer)
 
 
@@ -104,15 +105,13 @@ def check_whole_pages(cache: torch.Tensor, head_size: int) -> None:
 
 
 def make_store(config: SemShareConfig, geometry: KVGeometry, layout: PageSpec,
-               cache: torch.Tensor) -> HostKVStore:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
+               cache: torch.Tensor, rank: int) -> HostKVStore:
     root = None
     if config.persist_dir:
         root = Path(config.persist_dir) / geometry.fingerprint
     capacity = fit_to_memory(config.host_store_bytes, geometry.tp_size)
     return HostKVStore(capacity, list(geometry.layer_names), tuple(cache.shape[1:]),
-                       cache.dtype, layout.name, get_tensor_model_parallel_rank(),
+                       cache.dtype, layout.name, rank,
                        geometry.tp_size, root, pin_memory=cache.is_cuda,
                        page_layout=None if geometry.exact_only else layout)
 
@@ -145,7 +144,7 @@ def make_repairer(config: SemShareConfig, geometry: KVGeometry, vllm_config,
         return None
 
 
-def make_tier(config: SemShareConfig, geometry: KVGeometry, stats) -> Tier | None:
+def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) -> Tier | None:
     """LMCache as the donors' second tier, when configured (and, with a shared index, the
     readiness marks other instances wait for). If it cannot be set up (the extra is not
     installed, a bad backend URL), this worker goes on with the host store alone."""
@@ -156,13 +155,11 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats) -> Tier | Non
                        "host store of this instance): it moves KV as rows, and %s",
                        geometry.exact_only)
         return None
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
     marks = None
     try:
         from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
-        g, rank = geometry, get_tensor_model_parallel_rank()
+        g = geometry
         if config.shared_index_url:
             from semshare_vllm.catalog.shared_index import KVReadyMarks
 
@@ -173,7 +170,7 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats) -> Tier | Non
             model_name=g.fingerprint,   # keys differ wherever the KV geometry differs
             local_cpu_bytes=config.lmcache_local_cpu_bytes,
             remote_url=config.lmcache_remote_url, tp_rank=rank, tp_size=g.tp_size)
-        return Tier(store, stats, marks)
+        return Tier(store, stats, rank, marks)
     except Exception as exc:
         logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in "
                        "the host store of this instance): %s: %s", type(exc).__name__, exc)

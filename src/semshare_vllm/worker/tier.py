@@ -27,9 +27,10 @@ logger = logging.getLogger("vllm.semshare.worker")
 
 
 class Tier:
-    def __init__(self, store: DonorKVStore, stats: StatsRecorder, ready_marks=None):
+    def __init__(self, store: DonorKVStore, stats: StatsRecorder, rank: int, ready_marks=None):
         self.store = store               # LMCacheKVStore
         self.stats = stats
+        self.rank = rank                 # this worker's tensor-parallel rank (its KV shard)
         self.ready_marks = ready_marks   # catalog.shared_index.KVReadyMarks, with a shared index
         # donor -> digest of the KV this rank put (what a fetch back must match)
         self.digests: dict[DonorKey, str] = {}
@@ -97,11 +98,8 @@ class Tier:
         from semshare_vllm.catalog.shared_index import kv_digest
 
         if spec.donor_kv_digests is not None:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
             digests = spec.donor_kv_digests
-            expected = digests[rank] if rank < len(digests) else ""
+            expected = digests[self.rank] if self.rank < len(digests) else ""
         else:
             expected = self.digests.get(spec.key, "")
         got = kv_digest(rows, getattr(self.store, "dtype", None))

@@ -342,8 +342,6 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     """The worker fetches another instance's donor from LMCache only if the rows are the ones
     that instance's rank signed: otherwise the donor is unavailable (the load is reported failed
     and vLLM computes it), counted as tier_digest_mismatches."""
-    import vllm.distributed.parallel_state as parallel_state
-
     from semshare_vllm.core.counters import StatsRecorder
     from semshare_vllm.core.keys import DonorKey
     from semshare_vllm.metadata import LoadSpec
@@ -376,11 +374,10 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
         def get(self, key, tokens):
             return self.fetched
 
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
     expected = ["0" * 64, kv_digest(rows)]        # this worker is rank 1
 
     def fetch(fetched, digests):
-        tier, host = Tier(LMCache(fetched), StatsRecorder()), Store()
+        tier, host = Tier(LMCache(fetched), StatsRecorder(), rank=1), Store()
         tier.digests = {DonorKey("", did(1)): kv_digest(rows)}
         spec = LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0], donor_token_ids=list(range(40)),
                         donor_kv_digests=digests)

@@ -13,7 +13,7 @@ from semshare_vllm.worker import setup
 
 
 def registered_worker(monkeypatch):
-    def host_store(config, geometry, layout, cache):
+    def host_store(config, geometry, layout, cache, rank):
         return HostKVStore(1 << 20, list(LAYERS), tuple(cache.shape[1:]), cache.dtype,
                            layout.name, page_layout=layout)
 
