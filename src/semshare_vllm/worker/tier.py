@@ -44,7 +44,7 @@ class Tier:
         """On the tier thread: milliseconds to a readable put, or None when it failed."""
         t0 = time.perf_counter()
         try:
-            from semshare_vllm.catalog.shared_index import kv_digest
+            from semshare_vllm.catalog.shared_records import kv_digest
 
             digest = kv_digest(rows, getattr(self.store, "dtype", None))
             kept = self.store.put(key, token_ids, rows)
@@ -94,7 +94,7 @@ class Tier:
         this rank recorded when it put it. No digest (nothing to compare with): not used."""
         import hmac
 
-        from semshare_vllm.catalog.shared_index import kv_digest
+        from semshare_vllm.catalog.shared_records import kv_digest
 
         if spec.donor_kv_digests is not None:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
