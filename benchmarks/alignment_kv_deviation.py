@@ -26,7 +26,7 @@ from semshare_vllm.alignment import AlignParams, EmbeddingTable, SentenceSplitte
 from semshare_vllm.alignment.result import Alignment, MatchKind
 from semshare_vllm.kernels import RopeTable, correct_rope
 from semshare_vllm.testbed import pairs as P
-from semshare_vllm.testbed.models import smollm2
+from semshare_vllm.testbed.models import smollm2, smollm2_tokenizer
 
 LAYERS = (0, 1, 8, 15, 29)
 
@@ -91,7 +91,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(smollm2()), dtype=torch.float32)
     model.eval()
-    tok = P.smollm2_tokenizer()
+    tok = smollm2_tokenizer()
     table, splitter = EmbeddingTable.load(smollm2()), SentenceSplitter.from_tokenizer(tok)
     rope = rope_table(model)
 

@@ -33,7 +33,7 @@ from semshare_vllm.alignment import (
 from semshare_vllm.alignment.exact_runs import align_exact
 from semshare_vllm.alignment.lsh import lsh_similarity
 from semshare_vllm.testbed import pairs as P
-from semshare_vllm.testbed.models import smollm2
+from semshare_vllm.testbed.models import smollm2, smollm2_tokenizer
 from semshare_vllm.testbed.text import wiki_extracts
 from semshare_vllm.testbed.timing import median_ms
 
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=10)
     args = parser.parse_args()
-    tok = P.smollm2_tokenizer()
+    tok = smollm2_tokenizer()
     table = EmbeddingTable.load(smollm2())
     splitter = SentenceSplitter.from_tokenizer(tok)
     speed(tok, table, splitter, args.repeats)

@@ -1,7 +1,8 @@
 """Quality of semantic donor discovery on real text: does it find the donor, and refuse strangers?
 
-No vLLM here: the real embedder, the real VectorIndex and the real SimHash scan, over the
-donor/target pairs of ``semshare_vllm.testbed.pairs`` (Wikipedia extracts, the Lee news corpus).
+No vLLM here: the real embedder, the real VectorIndex and the real SimHash scan
+(``semshare_vllm.testbed.discovery_eval``), over the donor/target pairs of
+``semshare_vllm.testbed.pairs`` (Wikipedia extracts, the Lee news corpus).
 Prints:
 
 (a) Spearman's rho between the embedder's cosine and the Lee corpus' human similarity ratings
@@ -28,6 +29,13 @@ from semshare_vllm.config import SemShareConfig  # noqa: E402
 from semshare_vllm.discovery.embedder import make_embedder  # noqa: E402
 from semshare_vllm.discovery.service import NEAR_DUPLICATE_BITS  # noqa: E402
 from semshare_vllm.testbed import pairs as P  # noqa: E402
+from semshare_vllm.testbed.discovery_eval import (  # noqa: E402
+    evaluate,
+    false_donor_rate,
+    lee_spearman,
+    recall_at_1,
+)
+from semshare_vllm.testbed.models import smollm2_tokenizer  # noqa: E402
 
 TABLE_THRESHOLDS = (0.5, 0.6, 0.7, 0.8)
 
@@ -48,14 +56,14 @@ def main() -> None:
 
     t_start = time.perf_counter()
     embedder = make_embedder(args.embedder, device="cpu", threads=args.threads)
-    tokenizer = P.smollm2_tokenizer()
+    tokenizer = smollm2_tokenizer()
     pairs, negatives = P.build(args.pairs, negatives=args.negatives, seed=args.seed)
     t_ready = time.perf_counter()
 
     t0 = time.perf_counter()
-    rho = P.lee_spearman(embedder)
+    rho = lee_spearman(embedder)
     lee_s = time.perf_counter() - t0
-    result = P.evaluate(embedder, pairs, negatives, args.threshold, tokenizer)
+    result = evaluate(embedder, pairs, negatives, args.threshold, tokenizer)
 
     print(f"embedder {embedder.name}, threshold {args.threshold:g}, seed {args.seed}; "
           f"{result['donors']} donors in one namespace, {len(pairs)} targets, "
@@ -89,8 +97,8 @@ def main() -> None:
     outcomes = result["outcomes"]
     thresholds = sorted(set(TABLE_THRESHOLDS) | {args.threshold})
     for t in thresholds:
-        row = [P.recall_at_1([o for o in outcomes if o.group == n], t) for n in names]
-        fdr = P.false_donor_rate([o for o in outcomes if o.group == "negative"], t)
+        row = [recall_at_1([o for o in outcomes if o.group == n], t) for n in names]
+        fdr = false_donor_rate([o for o in outcomes if o.group == "negative"], t)
         print("  " + f"{t:>5.2f}" + "".join(f"{r:>9.2f}" for r in row) + f"{fdr:>8.3f}")
 
     total = time.perf_counter() - t_start

@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=2048)
     args = parser.parse_args()
     llm, worker = engine()
-    tok = P.smollm2_tokenizer()
+    tok = models.smollm2_tokenizer()
     quality(worker, tok, args.pairs)
     speed(llm, worker, tok, args.speed_tokens, args.repeats)
 

@@ -45,7 +45,8 @@ def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None =
     if not config.shared_index_url:
         return None
     try:
-        from semshare_vllm.catalog.shared_index import MAX_TOKENS, SharedDonorFeed
+        from semshare_vllm.catalog.shared_index import SharedDonorFeed
+        from semshare_vllm.catalog.shared_records import MAX_TOKENS
 
         return SharedDonorFeed(config.shared_index_url, geometry.fingerprint,
                                secret=config.shared_index_secret, tp_size=geometry.tp_size,

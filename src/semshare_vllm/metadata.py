@@ -56,7 +56,7 @@ class LoadSpec:
     # that is not (or no longer) in this worker's host store.
     donor_token_ids: list[int] | None = None
     # Another instance's donor (shared index): per tensor-parallel rank, the digest of the KV
-    # shard it put (``catalog.shared_index.kv_digest``, signed by that rank); a fetch from the
+    # shard it put (``catalog.shared_records.kv_digest``, signed by that rank); a fetch from the
     # tier that does not match this worker's rank's digest is refused (the load fails, vLLM
     # computes).
     donor_kv_digests: list[str] | None = None

@@ -44,7 +44,8 @@ def forge_record(model, redis_url, prompt):
     import redis as redis_py
     from transformers import AutoTokenizer
 
-    from semshare_vllm.catalog.shared_index import KVReadyMarks, SharedDonor
+    from semshare_vllm.catalog.shared_index import KVReadyMarks
+    from semshare_vllm.catalog.shared_records import SharedDonor
     from semshare_vllm.core.keys import donor_id_for
 
     tokens = AutoTokenizer.from_pretrained(model)(prompt)["input_ids"]

@@ -35,7 +35,7 @@ class DonorRecord:
     nbytes: int
     hashes: list[bytes] = field(repr=False)
     num_prompt_tokens: int | None = None    # the prompt's share of token_ids (None: all)
-    # another instance's donor: per rank, the digest of its KV shard (shared_index.kv_digest)
+    # another instance's donor: per rank, the digest of its KV shard (shared_records.kv_digest)
     kv_digests: list[str] | None = None
     hits: int = 0
     created: float = 0.0                     # set by the catalog (its clock), like these two:

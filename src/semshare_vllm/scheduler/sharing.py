@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from semshare_vllm.catalog.donor_index import DonorRecord
-from semshare_vllm.catalog.shared_index import SharedDonor, SharedDonorFeed
+from semshare_vllm.catalog.shared_index import SharedDonorFeed
+from semshare_vllm.catalog.shared_records import SharedDonor
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.layout.geometry import KVGeometry

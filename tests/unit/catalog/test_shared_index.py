@@ -11,15 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from semshare_vllm.catalog.shared_index import (
-    FORMAT,
-    KVReadyMarks,
-    SharedDonor,
-    SharedDonorFeed,
-    kv_digest,
-    ready_key,
-    sign_record,
-)
+from semshare_vllm.catalog.shared_index import KVReadyMarks, SharedDonorFeed, ready_key
+from semshare_vllm.catalog.shared_records import FORMAT, SharedDonor, kv_digest, sign_record
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 from semshare_vllm.testbed.redis_server import RedisServer

@@ -1,5 +1,6 @@
 """Quality of semantic donor discovery on real text (no vLLM engine): the real ONNX embedder, the
-real VectorIndex and SimHash scan, over pairs from ``semshare_vllm.testbed.pairs``.
+real VectorIndex and SimHash scan (``semshare_vllm.testbed.discovery_eval``), over pairs from
+``semshare_vllm.testbed.pairs``.
 
 A reduced run of ``benchmarks/discovery_quality.py`` (8 pairs per scenario, edit levels 0.1,
 0.5, 0.9). The bounds are what that run measured (seed 0), with a margin for other runtimes
@@ -12,6 +13,8 @@ import pytest
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.testbed import pairs as P
+from semshare_vllm.testbed.discovery_eval import evaluate, lee_spearman
+from semshare_vllm.testbed.models import smollm2_tokenizer
 
 N = 8
 LEVELS = (0.1, 0.5, 0.9)
@@ -27,8 +30,8 @@ def embedder():
 @pytest.fixture(scope="module")
 def result(embedder):
     pairs, negatives = P.build(N, levels=LEVELS, seed=0)
-    return P.evaluate(embedder, pairs, negatives, SemShareConfig().similarity_threshold,
-                      P.smollm2_tokenizer())
+    return evaluate(embedder, pairs, negatives, SemShareConfig().similarity_threshold,
+                    smollm2_tokenizer())
 
 
 def test_pairs_are_deterministic_and_share_no_source_text():
@@ -56,7 +59,7 @@ def test_edit_changes_the_requested_fraction_of_sentences():
 
 
 def test_embedder_agrees_with_human_similarity_on_lee(embedder):
-    assert P.lee_spearman(embedder) > 0.45  # measured 0.508
+    assert lee_spearman(embedder) > 0.45  # measured 0.508
 
 
 def test_same_document_under_other_wrapper_or_order_is_found(result):

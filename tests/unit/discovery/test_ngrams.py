@@ -10,6 +10,7 @@ from semshare_vllm.discovery import ngrams
 from semshare_vllm.discovery.ngrams import GramTable, sample_grams
 from semshare_vllm.discovery.vector_index import VectorIndex
 from semshare_vllm.testbed import pairs as P
+from semshare_vllm.testbed.models import smollm2_tokenizer
 from semshare_vllm.testbed.text import wiki_document
 
 
@@ -19,7 +20,7 @@ def best_share(table, grams):
 
 
 def test_samples_are_content_defined_and_shares_separate_real_text():
-    tok = P.smollm2_tokenizer()
+    tok = smollm2_tokenizer()
     doc, other = wiki_document(3000, 6000), wiki_document(5000, 6000)
     ids = tok(doc)["input_ids"]
     g = sample_grams(ids)

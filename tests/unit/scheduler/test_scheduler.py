@@ -282,7 +282,7 @@ def test_without_discovery_a_donor_is_announced_at_capture():
 
 
 def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
-    from semshare_vllm.catalog.shared_index import SharedDonor
+    from semshare_vllm.catalog.shared_records import SharedDonor
 
     tokens = list(range(500, 700))
     digests = ["ab" * 32]                       # its rank's KV digest, from its signed mark
@@ -313,7 +313,7 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
 def test_a_malformed_shared_record_costs_that_record_only():
     import numpy as np
 
-    from semshare_vllm.catalog.shared_index import SharedDonor
+    from semshare_vllm.catalog.shared_records import SharedDonor
     from semshare_vllm.discovery.embedder import DocumentEmbedding
 
     tokens = list(range(300, 400))

@@ -110,10 +110,10 @@ def test_namespace_tags_are_one_to_one(store):
 
 
 def test_a_fetched_donor_has_the_digest_its_writer_signed(redis):
-    """What a worker checks a shared donor's KV against (``catalog.shared_index.kv_digest``): the
+    """What a worker checks a shared donor's KV against (``catalog.shared_records.kv_digest``): the
     digest of the rows it put, in the store's dtype, equals that of the rows another instance
     fetches."""
-    from semshare_vllm.catalog.shared_index import kv_digest
+    from semshare_vllm.catalog.shared_records import kv_digest
     from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
     def half_store():
