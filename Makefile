@@ -40,9 +40,11 @@ redis:
 			redis-server || { $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y --no-install-recommends redis-server; }; }
 
-# ruff (configured in pyproject.toml): pyflakes, pycodestyle, import order, bugbear.
+# ruff (configured in pyproject.toml): pyflakes, pycodestyle, import order, bugbear; and the
+# format `ruff format src tests benchmarks` writes.
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 test: lint models redis
 	$(PY) -m pytest tests -v

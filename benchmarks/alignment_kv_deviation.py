@@ -37,8 +37,12 @@ def model_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
     out = []
     for layer in cache.layers:
-        out.append((layer.keys[0].transpose(0, 1).contiguous(),
-                    layer.values[0].transpose(0, 1).contiguous()))
+        out.append(
+            (
+                layer.keys[0].transpose(0, 1).contiguous(),
+                layer.values[0].transpose(0, 1).contiguous(),
+            )
+        )
     return out
 
 
@@ -50,8 +54,12 @@ def rope_table(model) -> RopeTable:
     head = cfg.hidden_size // cfg.num_attention_heads
     theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
     with set_current_vllm_config(VllmConfig()):  # vLLM's custom ops need a config to exist
-        rope = get_rope(head, 8192, is_neox_style=True,
-                        rope_parameters={"rope_type": "default", "rope_theta": theta})
+        rope = get_rope(
+            head,
+            8192,
+            is_neox_style=True,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+        )
     return RopeTable.from_vllm(rope)
 
 
@@ -66,10 +74,10 @@ def categories(al: Alignment, stages_to: dict[str, Alignment]) -> dict[str, np.n
     n = len(al.donor_pos)
     head = np.zeros(n, dtype=bool)
     in_run = np.zeros(n, dtype=bool)
-    for run in stages_to["exact"].runs:                 # runs of the exact stage
-        in_run[run.target_start:run.target_start + run.length] = True
-        head[run.target_start:run.target_start + min(4, run.length)] = True
-    by_edit = (stages_to["sentence"].donor_pos >= 0) & ~in_run      # edit or sentence stage
+    for run in stages_to["exact"].runs:  # runs of the exact stage
+        in_run[run.target_start : run.target_start + run.length] = True
+        head[run.target_start : run.target_start + min(4, run.length)] = True
+    by_edit = (stages_to["sentence"].donor_pos >= 0) & ~in_run  # edit or sentence stage
     lsh = (al.donor_pos >= 0) & ~in_run & ~by_edit
     kind = al.kind
     return {
@@ -96,8 +104,11 @@ def main() -> None:
     rope = rope_table(model)
 
     pairs, _ = P.build(args.pairs, seed=3)
-    chosen = [p for p in pairs if p.kind in ("cross-instruction", "reordered")
-              or (p.kind == "edited" and p.level == 0.5)]
+    chosen = [
+        p
+        for p in pairs
+        if p.kind in ("cross-instruction", "reordered") or (p.kind == "edited" and p.level == 0.5)
+    ]
     cases = [(P.group_of(p), p.target, p.donor) for p in chosen]
     rng = random.Random(0)
     words = " ".join(p.donor for p in pairs[:2]).split()
@@ -109,8 +120,10 @@ def main() -> None:
         t, d = tok(target)["input_ids"], tok(donor)["input_ids"]
         params = AlignParams()
         al = align(t, d, params, table, splitter)
-        stages_to = {stage: align(t, d, replace(params, stages=params.stages[:i + 1]), table,
-                                  splitter) for i, stage in enumerate(params.stages)}
+        stages_to = {
+            stage: align(t, d, replace(params, stages=params.stages[: i + 1]), table, splitter)
+            for i, stage in enumerate(params.stages)
+        }
         kv_t, kv_d = model_kv(model, t), model_kv(model, d)
         src_all = torch.as_tensor(al.donor_pos)
         randpos = torch.as_tensor(np.random.default_rng(0).integers(0, len(d), len(t)))
@@ -122,22 +135,38 @@ def main() -> None:
             for layer in LAYERS:
                 (kt, vt), (kd, vd) = kv_t[layer], kv_d[layer]
                 k_fixed = correct_rope(kd[src], src, tgt, rope)
-                rows.setdefault((name, layer), []).append(np.stack([
-                    rel_err(k_fixed, kt[tgt]), rel_err(vd[src], vt[tgt]),
-                    rel_err(kd[src], kt[tgt])]))
+                rows.setdefault((name, layer), []).append(
+                    np.stack(
+                        [
+                            rel_err(k_fixed, kt[tgt]),
+                            rel_err(vd[src], vt[tgt]),
+                            rel_err(kd[src], kt[tgt]),
+                        ]
+                    )
+                )
         tgt = torch.arange(len(t))
         for layer in LAYERS:
             (kt, vt), (kd, vd) = kv_t[layer], kv_d[layer]
-            rows.setdefault(("random donor token", layer), []).append(np.stack([
-                rel_err(correct_rope(kd[randpos], randpos, tgt, rope), kt),
-                rel_err(vd[randpos], vt),
-                rel_err(kd[randpos], kt)]))
+            rows.setdefault(("random donor token", layer), []).append(
+                np.stack(
+                    [
+                        rel_err(correct_rope(kd[randpos], randpos, tgt, rope), kt),
+                        rel_err(vd[randpos], vt),
+                        rel_err(kd[randpos], kt),
+                    ]
+                )
+            )
 
     names = list(dict.fromkeys(name for name, _ in rows))
-    print(f"## Donor KV vs the target's own KV (SmolLM2-135M fp32, {len(cases)} real pairs; "
-          "median relative L2 error per token)")
-    print("| aligned by | tokens | " + " | ".join(f"K / V, layer {layer}" for layer in LAYERS)
-          + " | K without RoPE correction, layer 15 |")
+    print(
+        f"## Donor KV vs the target's own KV (SmolLM2-135M fp32, {len(cases)} real pairs; "
+        "median relative L2 error per token)"
+    )
+    print(
+        "| aligned by | tokens | "
+        + " | ".join(f"K / V, layer {layer}" for layer in LAYERS)
+        + " | K without RoPE correction, layer 15 |"
+    )
     print("|---|---|" + "---|" * (len(LAYERS) + 1))
     for name in names:
         cells = []

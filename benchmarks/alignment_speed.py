@@ -61,8 +61,9 @@ def reordered_prompt_pair(tok, n_tokens: int, seed: int = 0) -> tuple[list[int],
     return target, donor
 
 
-def reworded_prompt_pair(tok, n_tokens: int, level: float = 0.1,
-                         seed: int = 0) -> tuple[list[int], list[int]]:
+def reworded_prompt_pair(
+    tok, n_tokens: int, level: float = 0.1, seed: int = 0
+) -> tuple[list[int], list[int]]:
     text = "".join(_extracts(tok, n_tokens, seed))
     words = "".join(_extracts(tok, 2000, seed + 7)).split()
     edited = P.reword_document(text, level, random.Random(seed), words)
@@ -73,12 +74,16 @@ def speed(tok, table, splitter, repeats: int) -> None:
     full = AlignParams()
     paper = AlignParams(stages=("lsh",), lsh=full.lsh)
     print(f"## Alignment speed (median of {repeats}, ms; SmolLM2 tokens of Wikipedia text)")
-    print("| tokens | pair | exact stage | full (4 stages) | full, donor features kept | "
-          "coverage (exact / all) | lsh-only | lsh-only, donor kept | A.3 similarity |")
+    print(
+        "| tokens | pair | exact stage | full (4 stages) | full, donor features kept | "
+        "coverage (exact / all) | lsh-only | lsh-only, donor kept | A.3 similarity |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in (2048, 8192):
-        for name, make in (("reordered", reordered_prompt_pair),
-                           ("reworded 10%", reworded_prompt_pair)):
+        for name, make in (
+            ("reordered", reordered_prompt_pair),
+            ("reworded 10%", reworded_prompt_pair),
+        ):
             t, d = make(tok, n)
             al = align(t, d, full, table, splitter)
             kept = DonorFeatures(d, table, splitter, full.lsh).warm()
@@ -89,9 +94,11 @@ def speed(tok, table, splitter, repeats: int) -> None:
                 median_ms(lambda: align(t, d, paper, table), repeats),
                 median_ms(lambda: align(t, kept, paper, table), repeats),
             ]
-            print(f"| {n:,} | {name} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | "
-                  f"{al.exact_coverage:.3f} / {al.coverage:.3f} | {row[3]:.2f} | {row[4]:.2f} | "
-                  f"{lsh_similarity(table, t, d):.3f} |")
+            print(
+                f"| {n:,} | {name} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | "
+                f"{al.exact_coverage:.3f} / {al.coverage:.3f} | {row[3]:.2f} | {row[4]:.2f} | "
+                f"{lsh_similarity(table, t, d):.3f} |"
+            )
 
 
 def coverage(tok, table, splitter, n_pairs: int) -> None:
@@ -101,8 +108,9 @@ def coverage(tok, table, splitter, n_pairs: int) -> None:
     words = " ".join(p.donor for p in pairs[:3]).split()
     for level in (0.1, 0.3):
         for p in [p for p in pairs if p.kind == "cross-instruction"][:n_pairs]:
-            cases.append((f"reworded@{level}", P.reword_document(p.donor, level, rng, words),
-                          p.donor))
+            cases.append(
+                (f"reworded@{level}", P.reword_document(p.donor, level, rng, words), p.donor)
+            )
     groups: dict[str, list] = {}
     for name, target, donor in cases:
         t = np.asarray(tok(target)["input_ids"])
@@ -110,19 +118,31 @@ def coverage(tok, table, splitter, n_pairs: int) -> None:
         al = align(t, d, AlignParams(), table, splitter)
         share = {k: v / len(t) for k, v in al.stage_counts.items()}
         aligned = al.donor_pos >= 0
-        groups.setdefault(name, []).append((
-            len(t), al.exact_coverage, al.coverage, share.get("exact", 0.0),
-            share.get("edit", 0.0), share.get("sentence", 0.0), share.get("lsh", 0.0),
-            float((t[aligned] == d[al.donor_pos[aligned]]).mean()) if aligned.any() else 1.0,
-            al.num_runs))
+        groups.setdefault(name, []).append(
+            (
+                len(t),
+                al.exact_coverage,
+                al.coverage,
+                share.get("exact", 0.0),
+                share.get("edit", 0.0),
+                share.get("sentence", 0.0),
+                share.get("lsh", 0.0),
+                float((t[aligned] == d[al.donor_pos[aligned]]).mean()) if aligned.any() else 1.0,
+                al.num_runs,
+            )
+        )
     print(f"\n## What alignment finds on real pairs (up to {n_pairs} per scenario, medians)")
-    print("| scenario | target tokens | token-identical | aligned | by exact | by edit | "
-          "by sentence | by lsh | same token among aligned | runs |")
+    print(
+        "| scenario | target tokens | token-identical | aligned | by exact | by edit | "
+        "by sentence | by lsh | same token among aligned | runs |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rows in groups.items():
         m = [statistics.median(col) for col in zip(*rows)]
-        print(f"| {name} | {m[0]:.0f} | {m[1]:.3f} | {m[2]:.3f} | {m[3]:.3f} | {m[4]:.3f} | "
-              f"{m[5]:.3f} | {m[6]:.3f} | {m[7]:.3f} | {m[8]:.0f} |")
+        print(
+            f"| {name} | {m[0]:.0f} | {m[1]:.3f} | {m[2]:.3f} | {m[3]:.3f} | {m[4]:.3f} | "
+            f"{m[5]:.3f} | {m[6]:.3f} | {m[7]:.3f} | {m[8]:.0f} |"
+        )
 
 
 def main() -> None:

@@ -32,14 +32,22 @@ SECRET = secrets.token_hex(32)
 
 
 def shared_config(redis_url: str) -> dict:
-    return dict(SEMSHARE, kv_connector_extra_config={
-        "kv_tier": "lmcache", "lmcache_remote_url": redis_url, "shared_index_url": redis_url,
-        "shared_index_secret": SECRET, "host_store_bytes": "1GiB",
-        "lmcache_local_cpu_bytes": "512MiB"})
+    return dict(
+        SEMSHARE,
+        kv_connector_extra_config={
+            "kv_tier": "lmcache",
+            "lmcache_remote_url": redis_url,
+            "shared_index_url": redis_url,
+            "shared_index_secret": SECRET,
+            "host_store_bytes": "1GiB",
+            "lmcache_local_cpu_bytes": "512MiB",
+        },
+    )
 
 
-def wait_shared_in(a: Endpoint, b: Endpoint, published_before: float,
-                   timeout_s: float = 120) -> float | None:
+def wait_shared_in(
+    a: Endpoint, b: Endpoint, published_before: float, timeout_s: float = 120
+) -> float | None:
     """Seconds until A has announced one more donor and B's index holds every donor A
     announced (None: not within the timeout). Both engines are kept stepping, as
     ``semshare-bench`` does for captures: vLLM does not step an idle engine for a finished
@@ -48,8 +56,7 @@ def wait_shared_in(a: Endpoint, b: Endpoint, published_before: float,
     t0 = time.monotonic()
     while time.monotonic() < t0 + timeout_s:
         published = a.counters().get("donors_published", 0)
-        if published > published_before and \
-                b.counters().get("donors_shared_in", 0) >= published:
+        if published > published_before and b.counters().get("donors_shared_in", 0) >= published:
             return time.monotonic() - t0
         for e in (a, b):
             e.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)
@@ -75,16 +82,28 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="semshare-cross-"))
     max_len = max(4096, max(args.context_tokens) + 512)
     print(f"logs: {logs}")
-    with RedisServer() as redis, \
-            VllmServer(model, shared_config(redis.url), ["--block-size", "32"], logs / "a.log",
-                       max_model_len=max_len) as server_a, \
-            VllmServer(model, shared_config(redis.url), ["--block-size", "32"], logs / "b.log",
-                       max_model_len=max_len) as server_b:
+    with (
+        RedisServer() as redis,
+        VllmServer(
+            model,
+            shared_config(redis.url),
+            ["--block-size", "32"],
+            logs / "a.log",
+            max_model_len=max_len,
+        ) as server_a,
+        VllmServer(
+            model,
+            shared_config(redis.url),
+            ["--block-size", "32"],
+            logs / "b.log",
+            max_model_len=max_len,
+        ) as server_b,
+    ):
         a = Endpoint(server_a.url, server_a.served_name)
         b = Endpoint(server_b.url, server_b.served_name)
         warm_up(b)
         warm_up(a)
-        wait_shared_in(a, b, 0)          # A's warm-up donors reach B before any measurement
+        wait_shared_in(a, b, 0)  # A's warm-up donors reach B before any measurement
         summaries, propagation, fetch = {}, {}, {}
         for tokens in args.context_tokens:
             requests = workloads.build("cross-instruction", args.groups, tokens, sizer)
@@ -96,33 +115,50 @@ def main() -> None:
                 before = a.counters().get("donors_published", 0)
                 a.complete(donor.prompt, max_tokens=2)
                 waits.append(wait_shared_in(a, b, before))
-                m = measure_target(b, target, args.max_tokens, cold_first=len(results) % 2 == 1,
-                                   perplexity=args.perplexity)
+                m = measure_target(
+                    b,
+                    target,
+                    args.max_tokens,
+                    cold_first=len(results) % 2 == 1,
+                    perplexity=args.perplexity,
+                )
                 results.append(m)
-                print(f"  {tokens} tokens, {group}: shared after "
-                      f"{waits[-1] if waits[-1] is not None else float('nan'):.2f} s, "
-                      f"claimed {m.connector_tokens}/{m.prompt_tokens}, TTFT cold "
-                      f"{m.cold.ttft_s * 1e3:.0f} ms, served {m.served.ttft_s * 1e3:.0f} ms",
-                      flush=True)
+                print(
+                    f"  {tokens} tokens, {group}: shared after "
+                    f"{waits[-1] if waits[-1] is not None else float('nan'):.2f} s, "
+                    f"claimed {m.connector_tokens}/{m.prompt_tokens}, TTFT cold "
+                    f"{m.cold.ttft_s * 1e3:.0f} ms, served {m.served.ttft_s * 1e3:.0f} ms",
+                    flush=True,
+                )
             after = b.counters()
             summaries[tokens] = report.summarize(results)
             seen = [w for w in waits if w is not None]
-            propagation[tokens] = (statistics.median(seen) if seen else None,
-                                   len(waits) - len(seen))
+            propagation[tokens] = (
+                statistics.median(seen) if seen else None,
+                len(waits) - len(seen),
+            )
             n = after.get("tier_fetches", 0) - fetch_before.get("tier_fetches", 0)
-            fetch[tokens] = (n, (after.get("tier_fetch_ms", 0)
-                                 - fetch_before.get("tier_fetch_ms", 0)) / n if n else None)
+            fetch[tokens] = (
+                n,
+                (after.get("tier_fetch_ms", 0) - fetch_before.get("tier_fetch_ms", 0)) / n
+                if n
+                else None,
+            )
         print("\nTargets on instance B, donors served by instance A:\n")
         print(report.table(summaries))
-        print("\n| context | donor visible on B (median) | not shared in 120 s | B's fetches from "
-              "LMCache+Redis | mean fetch |")
+        print(
+            "\n| context | donor visible on B (median) | not shared in 120 s | B's fetches from "
+            "LMCache+Redis | mean fetch |"
+        )
         print("|---|---|---|---|---|")
         for tokens in args.context_tokens:
             med, missing = propagation[tokens]
             n, ms = fetch[tokens]
-            print(f"| {tokens:,} | {med:.2f} s | {missing} | {n:.0f} | "
-                  f"{ms:.0f} ms |" if med is not None and ms is not None else
-                  f"| {tokens:,} | {med} | {missing} | {n:.0f} | {ms} |")
+            print(
+                f"| {tokens:,} | {med:.2f} s | {missing} | {n:.0f} | {ms:.0f} ms |"
+                if med is not None and ms is not None
+                else f"| {tokens:,} | {med} | {missing} | {n:.0f} | {ms} |"
+            )
 
 
 if __name__ == "__main__":

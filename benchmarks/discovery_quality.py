@@ -42,14 +42,22 @@ TABLE_THRESHOLDS = (0.5, 0.6, 0.7, 0.8)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", type=int, default=30,
-                        help="pairs per scenario (for 'edited': donors, each at every level)")
-    parser.add_argument("--negatives", type=int, default=None,
-                        help="negative targets (default: 3 x --pairs)")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=30,
+        help="pairs per scenario (for 'edited': donors, each at every level)",
+    )
+    parser.add_argument(
+        "--negatives", type=int, default=None, help="negative targets (default: 3 x --pairs)"
+    )
     parser.add_argument("--embedder", choices=("onnx", "sentence-transformers"), default="onnx")
-    parser.add_argument("--threshold", type=float,
-                        default=SemShareConfig().similarity_threshold,
-                        help="cosine a donor needs (default: the config's similarity_threshold)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=SemShareConfig().similarity_threshold,
+        help="cosine a donor needs (default: the config's similarity_threshold)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="embedder CPU threads")
     args = parser.parse_args()
@@ -65,34 +73,53 @@ def main() -> None:
     lee_s = time.perf_counter() - t0
     result = evaluate(embedder, pairs, negatives, args.threshold, tokenizer)
 
-    print(f"embedder {embedder.name}, threshold {args.threshold:g}, seed {args.seed}; "
-          f"{result['donors']} donors in one namespace, {len(pairs)} targets, "
-          f"{len(negatives)} negatives")
+    print(
+        f"embedder {embedder.name}, threshold {args.threshold:g}, seed {args.seed}; "
+        f"{result['donors']} donors in one namespace, {len(pairs)} targets, "
+        f"{len(negatives)} negatives"
+    )
     print(f"\n(a) Lee corpus: Spearman rho(cosine, human rating) over 1225 pairs = {rho:.3f}")
 
-    print(f"\n(b) recall@1 at threshold {args.threshold:g}, cosine of the true pairs, and the "
-          f"SimHash scan (<= {NEAR_DUPLICATE_BITS} bits)")
-    print(f"  {'scenario':<20}{'n':>4}{'recall@1':>10}{'mean':>8}{'median':>8}{'min':>8}"
-          f"{'simhash matched':>17}{'correct':>9}")
+    print(
+        f"\n(b) recall@1 at threshold {args.threshold:g}, cosine of the true pairs, and the "
+        f"SimHash scan (<= {NEAR_DUPLICATE_BITS} bits)"
+    )
+    print(
+        f"  {'scenario':<20}{'n':>4}{'recall@1':>10}{'mean':>8}{'median':>8}{'min':>8}"
+        f"{'simhash matched':>17}{'correct':>9}"
+    )
     for name, g in result["groups"].items():
-        print(f"  {name:<20}{g['n']:>4}{g['recall']:>10.2f}{g['mean_cos']:>8.3f}"
-              f"{g['median_cos']:>8.3f}{g['min_cos']:>8.3f}{g['simhash_matches']:>17}"
-              f"{g['simhash_correct']:>9}")
+        print(
+            f"  {name:<20}{g['n']:>4}{g['recall']:>10.2f}{g['mean_cos']:>8.3f}"
+            f"{g['median_cos']:>8.3f}{g['min_cos']:>8.3f}{g['simhash_matches']:>17}"
+            f"{g['simhash_correct']:>9}"
+        )
     misses = [o for o in result["outcomes"] if o.true_key is not None and o.top_key != o.true_key]
-    print(f"  targets whose top-1 is another donor (at any score): {len(misses)}"
-          + (f", top-1 cosines {', '.join(f'{o.group}:{o.top_score:.2f}' for o in misses[:8])}"
-             if misses else ""))
+    print(
+        f"  targets whose top-1 is another donor (at any score): {len(misses)}"
+        + (
+            f", top-1 cosines {', '.join(f'{o.group}:{o.top_score:.2f}' for o in misses[:8])}"
+            if misses
+            else ""
+        )
+    )
 
     neg = result["negatives"]
-    print(f"\n(c) negatives (n={neg['n']}): false-donor rate at {args.threshold:g} = "
-          f"{neg['false_donor_rate']:.3f}; top-1 cosine median {neg['median_top']:.3f}, "
-          f"p95 {neg['p95_top']:.3f}, max {neg['max_top']:.3f}; SimHash matches "
-          f"{neg['simhash_matches']}")
+    print(
+        f"\n(c) negatives (n={neg['n']}): false-donor rate at {args.threshold:g} = "
+        f"{neg['false_donor_rate']:.3f}; top-1 cosine median {neg['median_top']:.3f}, "
+        f"p95 {neg['p95_top']:.3f}, max {neg['max_top']:.3f}; SimHash matches "
+        f"{neg['simhash_matches']}"
+    )
 
     print("\n(d) recall@1 per scenario and false-donor rate by threshold")
     names = list(result["groups"])
-    short = [n.replace("cross-instruction", "x-instr").replace("reordered", "reorder")
-             .replace("edited@", "ed") for n in names]
+    short = [
+        n.replace("cross-instruction", "x-instr")
+        .replace("reordered", "reorder")
+        .replace("edited@", "ed")
+        for n in names
+    ]
     print("  " + f"{'thr':>5}" + "".join(f"{s:>9}" for s in short) + f"{'false':>8}")
     outcomes = result["outcomes"]
     thresholds = sorted(set(TABLE_THRESHOLDS) | {args.threshold})
@@ -102,8 +129,10 @@ def main() -> None:
         print("  " + f"{t:>5.2f}" + "".join(f"{r:>9.2f}" for r in row) + f"{fdr:>8.3f}")
 
     total = time.perf_counter() - t_start
-    print(f"\nwall time {total:.1f} s (load {t_ready - t_start:.1f} s, Lee {lee_s:.1f} s, "
-          f"embedding {result['texts']} texts {result['embed_s']:.1f} s)")
+    print(
+        f"\nwall time {total:.1f} s (load {t_ready - t_start:.1f} s, Lee {lee_s:.1f} s, "
+        f"embedding {result['texts']} texts {result['embed_s']:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

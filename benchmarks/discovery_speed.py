@@ -41,8 +41,10 @@ def embedding_latency(runners: list[str], lengths: list[int], repeats: int, devi
     print(f"\n## Embedding latency per prompt (device: {device}; median of {repeats})")
     print("| runner | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
-    detok = {n: median_ms(lambda p=p: tok.decode(p, skip_special_tokens=True), repeats)
-             for n, p in prompts.items()}
+    detok = {
+        n: median_ms(lambda p=p: tok.decode(p, skip_special_tokens=True), repeats)
+        for n, p in prompts.items()
+    }
     for runner in runners:  # "onnx" (the server's setting: 1 thread on CPU) or "onnx@2"
         kind, _, threads = runner.partition("@")
         emb = make_embedder(kind, device=device, threads=int(threads or 0))
@@ -53,8 +55,11 @@ def embedding_latency(runners: list[str], lengths: list[int], repeats: int, devi
             windows = len(emb.embed(text).segments)
             cells.append(f"{ms + detok[n]:.1f} ms ({windows} windows)")
         print(f"| {runner} | " + " | ".join(cells) + " |")
-    print("(detokenisation included: " +
-          ", ".join(f"{n}: {ms:.2f} ms" for n, ms in detok.items()) + ")")
+    print(
+        "(detokenisation included: "
+        + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in detok.items())
+        + ")"
+    )
 
 
 def clustered(n: int, dim: int = 384, topics: int = 4096, seed: int = 0) -> np.ndarray:
@@ -63,9 +68,10 @@ def clustered(n: int, dim: int = 384, topics: int = 4096, seed: int = 0) -> np.n
     out = np.empty((n, dim), dtype=np.float32)
     for start in range(0, n, 100_000):  # in slices: bounded temporaries
         m = min(100_000, n - start)
-        x = centers[rng.integers(0, topics, m)] + 0.8 * rng.standard_normal((m, dim),
-                                                                             dtype=np.float32)
-        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+        x = centers[rng.integers(0, topics, m)] + 0.8 * rng.standard_normal(
+            (m, dim), dtype=np.float32
+        )
+        out[start : start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
     return out
 
 
@@ -77,7 +83,8 @@ def search_latency(sizes: list[int], repeats: int, queries: int = 50) -> None:
     for n in sizes:
         vectors = clustered(n)
         q = vectors[rng.integers(0, n, queries)] + 0.3 * rng.standard_normal(
-            (queries, 384), dtype=np.float32) / np.sqrt(384)
+            (queries, 384), dtype=np.float32
+        ) / np.sqrt(384)
         exact = VectorIndex(kind="exact")
         ivf = VectorIndex(kind="faiss-ivf")
         for index in (exact, ivf):
@@ -98,15 +105,20 @@ def search_latency(sizes: list[int], repeats: int, queries: int = 50) -> None:
                 tops.append(found[0].key)
             timings[name], results[name] = statistics.median(ts), tops
         recall = np.mean([a == b for a, b in zip(results["exact"], results["ivf"])])
-        print(f"| {n:,} | {timings['exact']:.3f} ms | {timings['ivf']:.3f} ms | "
-              f"{build_s:.1f} s | {recall:.2f} |")
+        print(
+            f"| {n:,} | {timings['exact']:.3f} ms | {timings['ivf']:.3f} ms | "
+            f"{build_s:.1f} s | {recall:.2f} |"
+        )
         del exact, ivf, vectors
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runners", default="onnx,onnx@2,sentence-transformers",
-                        help="runner[@threads]; sentence-transformers uses torch's threads")
+    parser.add_argument(
+        "--runners",
+        default="onnx,onnx@2,sentence-transformers",
+        help="runner[@threads]; sentence-transformers uses torch's threads",
+    )
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--donors", default="10000,1000000")
     parser.add_argument("--repeats", type=int, default=5)
@@ -115,8 +127,12 @@ def main() -> None:
     from semshare_vllm.discovery.embedder import resolve_device
 
     t0 = time.perf_counter()
-    embedding_latency(args.runners.split(","), [int(x) for x in args.lengths.split(",")],
-                      args.repeats, resolve_device(args.device))
+    embedding_latency(
+        args.runners.split(","),
+        [int(x) for x in args.lengths.split(",")],
+        args.repeats,
+        resolve_device(args.device),
+    )
     search_latency([int(x) for x in args.donors.split(",")], args.repeats)
     print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
 

@@ -35,8 +35,17 @@ Q1 = "\n\nQuestion: What is the text above mainly about? Answer:"
 Q2 = "\n\nWrite a one-sentence summary of the text above:"
 
 
-def run_server(name: str, model: str, kv: dict | None, docs: list[list[int]], q1: list[int],
-               q2: list[int], server_args: list[str], args, workdir: Path):
+def run_server(
+    name: str,
+    model: str,
+    kv: dict | None,
+    docs: list[list[int]],
+    q1: list[int],
+    q2: list[int],
+    server_args: list[str],
+    args,
+    workdir: Path,
+):
     log = workdir / f"{name}.log"
     with VllmServer(model, kv, server_args, log, max_model_len=4096) as srv:
         srv.complete("Hello, world. " * 20, max_tokens=2)  # warm-up, not measured
@@ -55,44 +64,64 @@ def run_server(name: str, model: str, kv: dict | None, docs: list[list[int]], q1
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=5, help="documents (one measured hit each)")
-    parser.add_argument("--doc-tokens", type=int, default=1536,
-                        help="tokens per document (a multiple of the block size, 128)")
+    parser.add_argument(
+        "--doc-tokens",
+        type=int,
+        default=1536,
+        help="tokens per document (a multiple of the block size, 128)",
+    )
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model", default=None, help="model dir (default: SmolLM2-135M)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                        help="extra `vllm serve` flags for all three servers (last option)")
+    parser.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `vllm serve` flags for all three servers (last option)",
+    )
     args = parser.parse_args()
     model = args.model or str(models.smollm2())
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    docs = [tok(wiki_document(1000 + 50 * i, 6 * args.doc_tokens),
-                add_special_tokens=False)["input_ids"][:args.doc_tokens]
-            for i in range(args.docs)]
+    docs = [
+        tok(wiki_document(1000 + 50 * i, 6 * args.doc_tokens), add_special_tokens=False)[
+            "input_ids"
+        ][: args.doc_tokens]
+        for i in range(args.docs)
+    ]
     q1, q2 = (tok(q, add_special_tokens=False)["input_ids"] for q in (Q1, Q2))
     server_args = ["--block-size", "128", *args.server_args]
 
     workdir = Path(tempfile.mkdtemp(prefix="semshare-bench-"))  # kept: server logs live here
     print(f"server logs and stores: {workdir}", file=sys.stderr)
-    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")}}
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
+    }
     results = {}
     for name, kv in [("cold", None), ("example", example), ("semshare", SEMSHARE)]:
         print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
         results[name] = run_server(name, model, kv, docs, q1, q2, server_args, args, workdir)
 
     cold = statistics.median(results["cold"]["ttft_s"])
-    print(f"\nmodel={Path(model).name} docs={args.docs} "
-          f"prompt_tokens(median)={statistics.median(results['cold']['prompt_tokens'])}")
-    print(f"{'server':10s} {'median TTFT':>12s} {'min':>8s} {'max':>8s} {'cold/this':>10s} "
-          f"{'cached tok':>10s} {'same text':>9s}")
+    print(
+        f"\nmodel={Path(model).name} docs={args.docs} "
+        f"prompt_tokens(median)={statistics.median(results['cold']['prompt_tokens'])}"
+    )
+    print(
+        f"{'server':10s} {'median TTFT':>12s} {'min':>8s} {'max':>8s} {'cold/this':>10s} "
+        f"{'cached tok':>10s} {'same text':>9s}"
+    )
     for name, r in results.items():
         med = statistics.median(r["ttft_s"])
         same = sum(t == c for t, c in zip(r["texts"], results["cold"]["texts"]))
-        print(f"{name:10s} {med:11.3f}s {min(r['ttft_s']):7.3f}s {max(r['ttft_s']):7.3f}s "
-              f"{cold / med:9.1f}x {statistics.median(r['cached_tokens']):10.0f} "
-              f"{same:>4d}/{len(r['texts'])}")
+        print(
+            f"{name:10s} {med:11.3f}s {min(r['ttft_s']):7.3f}s {max(r['ttft_s']):7.3f}s "
+            f"{cold / med:9.1f}x {statistics.median(r['cached_tokens']):10.0f} "
+            f"{same:>4d}/{len(r['texts'])}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

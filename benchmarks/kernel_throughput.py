@@ -58,12 +58,24 @@ class Case:
     @property
     def bytes_moved(self) -> int:
         per_token = self.src[0, 0].numel() * self.src.shape[0]
-        return self.rows.numel() * per_token * (self.src.element_size()
-                                                + self.caches[0].element_size())
+        return (
+            self.rows.numel()
+            * per_token
+            * (self.src.element_size() + self.caches[0].element_size())
+        )
 
     def move(self, impl: str, caches: list[torch.Tensor] | None = None) -> None:
-        gather_rearrange(self.src, self.rows, self.slots, caches or self.caches, self.offsets,
-                         self.table, self.src_pos, self.dst_pos, impl=impl)
+        gather_rearrange(
+            self.src,
+            self.rows,
+            self.slots,
+            caches or self.caches,
+            self.offsets,
+            self.table,
+            self.src_pos,
+            self.dst_pos,
+            impl=impl,
+        )
 
 
 def rope_table(shape: ModelShape, max_position: int) -> RopeTable:
@@ -71,30 +83,53 @@ def rope_table(shape: ModelShape, max_position: int) -> RopeTable:
     see ``semshare_vllm.testbed.rope_tables``, for a GPU machine without vLLM)."""
     table = rope_tables.tables([shape.rope_table])[shape.rope_table]
     if table.max_position < max_position:
-        raise SystemExit(f"{shape.name}: rope table has {table.max_position} positions, "
-                         f"{max_position} needed")
+        raise SystemExit(
+            f"{shape.name}: rope table has {table.max_position} positions, {max_position} needed"
+        )
     return table
 
 
-def build_case(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageSpec,
-               table: RopeTable, device: str, seed: int = 0) -> Case:
+def build_case(
+    shape: ModelShape,
+    tokens: int,
+    dtype: torch.dtype,
+    layout: PageSpec,
+    table: RopeTable,
+    device: str,
+    seed: int = 0,
+) -> Case:
     g = torch.Generator().manual_seed(seed)
     bs = shape.block_size
     num_blocks = -(-tokens // bs) + 1
-    buffer = torch.zeros(shape.layers, num_blocks, shape.kv_heads, bs, 2 * shape.head_size,
-                         dtype=dtype, device=device)  # one allocation, like vLLM's
+    buffer = torch.zeros(
+        shape.layers,
+        num_blocks,
+        shape.kv_heads,
+        bs,
+        2 * shape.head_size,
+        dtype=dtype,
+        device=device,
+    )  # one allocation, like vLLM's
     torch.manual_seed(seed)
-    src = torch.randn(shape.layers, tokens, shape.kv_heads, 2 * shape.head_size, device=device,
-                      dtype=dtype)
+    src = torch.randn(
+        shape.layers, tokens, shape.kv_heads, 2 * shape.head_size, device=device, dtype=dtype
+    )
     rows = torch.randperm(tokens, generator=g)
     blocks = torch.randperm(num_blocks, generator=g)
     pos = torch.arange(tokens)
     slots = blocks[pos // bs] * bs + pos % bs
     src_pos = (rows + 7) % table.max_position  # the donor had these tokens elsewhere
     caches = list(buffer)
-    return Case(src, rows.to(device), slots.to(device), src_pos.to(device), pos.to(device),
-                caches, layout.offsets(caches[0]).to(device),
-                table.to(device))
+    return Case(
+        src,
+        rows.to(device),
+        slots.to(device),
+        src_pos.to(device),
+        pos.to(device),
+        caches,
+        layout.offsets(caches[0]).to(device),
+        table.to(device),
+    )
 
 
 def median_seconds(fn, repeats: int, device: str) -> float:
@@ -123,45 +158,74 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print()
 
 
-def cpu_row(shape: ModelShape, tokens: int, dtype: torch.dtype, layout: PageSpec,
-            table: RopeTable, repeats: int) -> list:
+def cpu_row(
+    shape: ModelShape,
+    tokens: int,
+    dtype: torch.dtype,
+    layout: PageSpec,
+    table: RopeTable,
+    repeats: int,
+) -> list:
     case = build_case(shape, tokens, dtype, layout, table, "cpu")
     seconds = median_seconds(partial(case.move, "torch"), repeats, "cpu")
-    return [layout.backend, str(dtype).removeprefix("torch."), tokens,
-            f"{case.bytes_moved / 2**20:.0f}", f"{seconds * 1e3:.1f}",
-            f"{case.bytes_moved / seconds / 1e9:.2f}"]
+    return [
+        layout.backend,
+        str(dtype).removeprefix("torch."),
+        tokens,
+        f"{case.bytes_moved / 2**20:.0f}",
+        f"{seconds * 1e3:.1f}",
+        f"{case.bytes_moved / seconds / 1e9:.2f}",
+    ]
 
 
 def cpu_suite(args) -> None:
     shape = SMOLLM2_135M
     table = rope_table(shape, max(args.cpu_tokens) + 64)
-    layouts = [page_spec("CPU_ATTN", shape.head_size, "vec"),
-               page_spec("FLASH_ATTN", shape.head_size)]
-    rows = [cpu_row(shape, tokens, dtype, layout, table, args.repeats)
-            for layout in layouts for dtype in (torch.float32, torch.bfloat16)
-            for tokens in args.cpu_tokens]
-    print(f"### CPU torch reference, {shape.name} cache ({shape.layers} layers, "
-          f"{shape.kv_heads} KV heads, head {shape.head_size}, block {shape.block_size}), "
-          f"{torch.get_num_threads()} threads\n")
+    layouts = [
+        page_spec("CPU_ATTN", shape.head_size, "vec"),
+        page_spec("FLASH_ATTN", shape.head_size),
+    ]
+    rows = [
+        cpu_row(shape, tokens, dtype, layout, table, args.repeats)
+        for layout in layouts
+        for dtype in (torch.float32, torch.bfloat16)
+        for tokens in args.cpu_tokens
+    ]
+    print(
+        f"### CPU torch reference, {shape.name} cache ({shape.layers} layers, "
+        f"{shape.kv_heads} KV heads, head {shape.head_size}, block {shape.block_size}), "
+        f"{torch.get_num_threads()} threads\n"
+    )
     print_table(["layout", "dtype", "tokens", "MiB moved", "ms (median)", "GB/s"], rows)
 
 
-def gpu_row(shape: ModelShape, tokens: int, layout: PageSpec, table: RopeTable, args,
-            device: str, offset_tables: bool = False) -> list:
+def gpu_row(
+    shape: ModelShape,
+    tokens: int,
+    layout: PageSpec,
+    table: RopeTable,
+    args,
+    device: str,
+    offset_tables: bool = False,
+) -> list:
     case = build_case(shape, tokens, torch.bfloat16, layout, table, device)
     if offset_tables:  # the packed pages addressed through the generic [N, D] tables
-        case.offsets = dataclasses.replace(case.offsets, token_stride=None,
-                                              channel_stride=None)
+        case.offsets = dataclasses.replace(case.offsets, token_stride=None, channel_stride=None)
     seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
     want = [torch.zeros_like(c) for c in case.caches]
     case.move("torch", want)
     exact = all(torch.equal(w, c) for w, c in zip(want, case.caches))
     worst = max((w.float() - c.float()).abs().max().item() for w, c in zip(want, case.caches))
     gbps = case.bytes_moved / seconds / 1e9
-    return ["tables" if offset_tables else "computed", tokens, f"{case.bytes_moved / 2**20:.0f}",
-            f"{seconds * 1e3:.3f}", f"{gbps:.0f}",
-            f"{100 * gbps / args.peak_gbps:.1f}%",
-            "bit-exact" if exact else f"max abs diff {worst:.3g}"]
+    return [
+        "tables" if offset_tables else "computed",
+        tokens,
+        f"{case.bytes_moved / 2**20:.0f}",
+        f"{seconds * 1e3:.3f}",
+        f"{gbps:.0f}",
+        f"{100 * gbps / args.peak_gbps:.1f}%",
+        "bit-exact" if exact else f"max abs diff {worst:.3g}",
+    ]
 
 
 def gpu_suite(args, device: str = "cuda") -> None:
@@ -176,19 +240,26 @@ def gpu_suite(args, device: str = "cuda") -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    print(f"### Triton kernel, {shape.name} cache ({shape.layers} layers, {shape.kv_heads} "
-          f"KV heads, head {shape.head_size}, bf16, packed), {name}, "
-          f"peak {args.peak_gbps:.0f} GB/s\n")
-    print_table(["page offsets", "tokens", "MiB moved", "ms (median)", "GB/s", "% of peak",
-                 "vs reference"],
-                rows)
+    print(
+        f"### Triton kernel, {shape.name} cache ({shape.layers} layers, {shape.kv_heads} "
+        f"KV heads, head {shape.head_size}, bf16, packed), {name}, "
+        f"peak {args.peak_gbps:.0f} GB/s\n"
+    )
+    print_table(
+        ["page offsets", "tokens", "MiB moved", "ms (median)", "GB/s", "% of peak", "vs reference"],
+        rows,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--peak-gbps", type=float, default=3350.0,
-                        help="device peak memory bandwidth (default: H100 SXM)")
+    parser.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=3350.0,
+        help="device peak memory bandwidth (default: H100 SXM)",
+    )
     parser.add_argument("--cpu-tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--gpu-tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--skip-cpu", action="store_true")

@@ -42,8 +42,13 @@ def main() -> None:
     from semshare_vllm.testbed.redis_server import RedisServer
 
     need = max(args.tokens) * L * H * 2 * D * 4 * 3
-    host = HostKVStore(need, [f"l{i}" for i in range(L)], (H, BS, 2 * D), torch.float32,
-                       page_layout=page_spec("CPU_ATTN", D, "vec"))
+    host = HostKVStore(
+        need,
+        [f"l{i}" for i in range(L)],
+        (H, BS, 2 * D),
+        torch.float32,
+        page_layout=page_spec("CPU_ATTN", D, "vec"),
+    )
     local = LMCacheKVStore(L, H, D, torch.float32, "smollm2-135m", need)
     with RedisServer() as redis:
         writer = LMCacheKVStore(L, H, D, torch.float32, "smollm2-135m", need, redis.url)
@@ -63,11 +68,17 @@ def main() -> None:
             def drop_local():
                 reader.engine.storage_manager.batched_remove(keys, locations=["LocalCPUBackend"])
 
-            ms = [timed(lambda: host.get(key, toks), args.runs),
-                  timed(lambda: local.get(key, toks), args.runs),
-                  timed(lambda: reader.get(key, toks), args.runs, before=drop_local)]
-            print(f"| {n} | {mb:.0f} | " + " | ".join(
-                f"{m:.1f} ms ({mb / m:.2f} GB/s)" for m in ms) + " |", flush=True)
+            ms = [
+                timed(lambda: host.get(key, toks), args.runs),
+                timed(lambda: local.get(key, toks), args.runs),
+                timed(lambda: reader.get(key, toks), args.runs, before=drop_local),
+            ]
+            print(
+                f"| {n} | {mb:.0f} | "
+                + " | ".join(f"{m:.1f} ms ({mb / m:.2f} GB/s)" for m in ms)
+                + " |",
+                flush=True,
+            )
         writer.close()
         reader.close()
     local.close()

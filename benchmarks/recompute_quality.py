@@ -34,15 +34,27 @@ RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
 
 
 def engine():
-    llm = offline.semshare_llm(str(models.smollm2()),
-                               {"capture": False, "recompute_policy": "all", "embedder": "none",
-                                "host_store_bytes": "64MiB"})
+    llm = offline.semshare_llm(
+        str(models.smollm2()),
+        {
+            "capture": False,
+            "recompute_policy": "all",
+            "embedder": "none",
+            "host_store_bytes": "64MiB",
+        },
+    )
     return llm, offline.connector_halves(llm)[1]
 
 
 def bench_for(worker, donor, target) -> BlendBench:
-    return BlendBench(worker.kv.repairer.runner.model, worker.kv.layout, worker.kv.caches[0],
-                      list(worker.geometry.layer_names), donor, target)
+    return BlendBench(
+        worker.kv.repairer.runner.model,
+        worker.kv.layout,
+        worker.kv.caches[0],
+        list(worker.geometry.layer_names),
+        donor,
+        target,
+    )
 
 
 def policies(bench: BlendBench):
@@ -58,35 +70,51 @@ def policies(bench: BlendBench):
 
 def quality(worker, tok, n_pairs: int) -> None:
     pairs, _ = P.build(n_pairs, seed=4)
-    cases = [(P.group_of(p), p) for p in pairs
-             if p.kind in ("cross-instruction", "reordered") or p.level == 0.3]
+    cases = [
+        (P.group_of(p), p)
+        for p in pairs
+        if p.kind in ("cross-instruction", "reordered") or p.level == 0.3
+    ]
     rng = random.Random(0)
     words = " ".join(p.donor for p in pairs[:2]).split()
-    cases += [("reworded@0.2", P.Pair("reworded", p.donor,
-                                      P.reword_document(p.donor, 0.2, rng, words), 0.2))
-              for p in pairs if p.kind == "cross-instruction"]
+    cases += [
+        (
+            "reworded@0.2",
+            P.Pair("reworded", p.donor, P.reword_document(p.donor, 0.2, rng, words), 0.2),
+        )
+        for p in pairs
+        if p.kind == "cross-instruction"
+    ]
     rows: dict[str, list] = {}
     for _, pair in cases:
         donor, target = tok(pair.donor)["input_ids"], tok(pair.target)["input_ids"]
         bench = bench_for(worker, donor, target)
         for name, selection in policies(bench):
             o = bench.evaluate(name, selection)
-            rows.setdefault(name, []).append((o.recomputed, o.hidden_error, o.logit_error,
-                                              o.same_top1, bench.alignment.coverage))
-    print(f"## Repair quality, SmolLM2-135M fp32, {len(cases)} real pairs (cross-instruction, "
-          "reordered, 30% of sentences edited, 20% of words replaced; medians)")
-    print("| policy | recomputed (mean over layers) | final hidden error | max logit error | "
-          "greedy next token = cold |")
+            rows.setdefault(name, []).append(
+                (o.recomputed, o.hidden_error, o.logit_error, o.same_top1, bench.alignment.coverage)
+            )
+    print(
+        f"## Repair quality, SmolLM2-135M fp32, {len(cases)} real pairs (cross-instruction, "
+        "reordered, 30% of sentences edited, 20% of words replaced; medians)"
+    )
+    print(
+        "| policy | recomputed (mean over layers) | final hidden error | max logit error | "
+        "greedy next token = cold |"
+    )
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         share, hid, logit, top1, _ = zip(*r)
-        print(f"| {name} | {statistics.median(share):.3f} | {statistics.median(hid):.4f} | "
-              f"{statistics.median(logit):.3f} | {sum(top1)}/{len(top1)} |")
+        print(
+            f"| {name} | {statistics.median(share):.3f} | {statistics.median(hid):.4f} | "
+            f"{statistics.median(logit):.3f} | {sum(top1)}/{len(top1)} |"
+        )
 
 
 def speed(llm, worker, tok, n_tokens: int, repeats: int) -> None:
     """Cold prefills and repairs interleaved, so that both see the same machine load (these
     shared cores drift by tens of percent within minutes)."""
+
     def prompt(i: int) -> list[int]:
         return tok(wiki_document(2000 + 50 * i, 12 * n_tokens))["input_ids"][:n_tokens]
 
@@ -103,7 +131,7 @@ def speed(llm, worker, tok, n_tokens: int, repeats: int) -> None:
     every = np.arange(n)
     always = np.union1d(bench.always(), [n - 1])
     ratios = (0.05, 0.15, 0.3, 1.0)
-    cold(1000)                                   # warm the engine up
+    cold(1000)  # warm the engine up
     colds, runs = [], {r: [] for r in ratios}
     errors = {}
     for i in range(repeats):
@@ -113,16 +141,22 @@ def speed(llm, worker, tok, n_tokens: int, repeats: int) -> None:
             runs[r].append(outcome.runner_seconds)
             errors[r] = outcome.hidden_error
     cold_s = statistics.median(colds)
-    print(f"\n## Recompute cost at {n:,} tokens (SmolLM2-135M, {layers} layers; vLLM cold "
-          f"prefill {cold_s * 1e3:.0f} ms; medians of {repeats}, interleaved)")
-    print("| schedule | runner time | speed-up vs cold | ceiling | achieved / ceiling | "
-          "final hidden error |")
+    print(
+        f"\n## Recompute cost at {n:,} tokens (SmolLM2-135M, {layers} layers; vLLM cold "
+        f"prefill {cold_s * 1e3:.0f} ms; medians of {repeats}, interleaved)"
+    )
+    print(
+        "| schedule | runner time | speed-up vs cold | ceiling | achieved / ceiling | "
+        "final hidden error |"
+    )
     print("|---|---|---|---|---|---|")
     for r in ratios:
         t = statistics.median(runs[r])
         ceiling = layers / (1.25 + 0.75 * r + r * (layers - 2))
-        print(f"| CacheBlend r={r:.0%} | {t * 1e3:.0f} ms | {cold_s / t:.2f}x | "
-              f"{ceiling:.2f}x | {cold_s / t / ceiling:.2f} | {errors[r]:.4f} |")
+        print(
+            f"| CacheBlend r={r:.0%} | {t * 1e3:.0f} ms | {cold_s / t:.2f}x | "
+            f"{ceiling:.2f}x | {cold_s / t / ceiling:.2f} | {errors[r]:.4f} |"
+        )
 
 
 def main() -> None:

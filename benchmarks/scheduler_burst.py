@@ -65,12 +65,23 @@ from semshare_vllm.testbed.text import wiki_extracts
 FIRST_EXTRACT = 5000
 SEMSHARE_1G = {**SEMSHARE, "kv_connector_extra_config": {"host_store_bytes": "1GiB"}}
 # The same connector with discovery off: what capture alone costs (to tell it from discovery's).
-CAPTURE_ONLY = {**SEMSHARE, "kv_connector_extra_config": {"host_store_bytes": "1GiB",
-                                                          "embedder": "none"}}
+CAPTURE_ONLY = {
+    **SEMSHARE,
+    "kv_connector_extra_config": {"host_store_bytes": "1GiB", "embedder": "none"},
+}
 SERVERS = {"plain": None, "semshare": SEMSHARE_1G, "capture-only": CAPTURE_ONLY}
-DISCOVERY_COUNTERS = ("semantic_lookups", "donors_embedded", "semantic_found", "semantic_misses",
-                      "lookup_timeouts", "lookups_skipped", "lookup_wait_ms", "embed_ms",
-                      "discovery_faults", "fallbacks")
+DISCOVERY_COUNTERS = (
+    "semantic_lookups",
+    "donors_embedded",
+    "semantic_found",
+    "semantic_misses",
+    "lookup_timeouts",
+    "lookups_skipped",
+    "lookup_wait_ms",
+    "embed_ms",
+    "discovery_faults",
+    "fallbacks",
+)
 
 
 def burst_prompts(tok, count: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
@@ -83,11 +94,13 @@ def burst_prompts(tok, count: int, min_tokens: int, max_tokens: int, seed: int) 
         target, ids = rng.randint(min_tokens, max_tokens), []
         while len(ids) < target:
             if cursor >= len(extracts):
-                raise SystemExit(f"not enough text for {count} distinct prompts; "
-                                 f"lower --requests or --repeats")
+                raise SystemExit(
+                    f"not enough text for {count} distinct prompts; lower --requests or --repeats"
+                )
             title, text = extracts[cursor]
-            ids += tok(("\n\n" if ids else "") + f"{title}\n{text}",
-                       add_special_tokens=False)["input_ids"]
+            ids += tok(("\n\n" if ids else "") + f"{title}\n{text}", add_special_tokens=False)[
+                "input_ids"
+            ]
             cursor += 1
         prompts.append(ids[:target])
     return prompts
@@ -99,8 +112,13 @@ def counter(metrics_text: str, name: str) -> float:
     return sum(float(v) for v in pattern.findall(metrics_text))
 
 
-def run_burst(srv: VllmServer, pool: ThreadPoolExecutor, prompts: list[list[int]],
-              max_tokens: int, salt: str | None) -> dict:
+def run_burst(
+    srv: VllmServer,
+    pool: ThreadPoolExecutor,
+    prompts: list[list[int]],
+    max_tokens: int,
+    salt: str | None,
+) -> dict:
     """Send all prompts at once (released together by a barrier); wait for all of them."""
     release: list[float] = []
     barrier = threading.Barrier(len(prompts), action=lambda: release.append(time.perf_counter()))
@@ -116,8 +134,9 @@ def run_burst(srv: VllmServer, pool: ThreadPoolExecutor, prompts: list[list[int]
     after = srv.metrics()
     wall = max(end for _, end in done) - release[0]
     completions = [c for c, _ in done]
-    out_tokens = (counter(after, "vllm:generation_tokens_total")
-                  - counter(before, "vllm:generation_tokens_total"))
+    out_tokens = counter(after, "vllm:generation_tokens_total") - counter(
+        before, "vllm:generation_tokens_total"
+    )
     ttfts = [c.ttft_s for c in completions]
     return {
         "wall_s": wall,
@@ -155,27 +174,46 @@ def settle(srv: VllmServer, timeout_s: float = 300) -> float:
     return time.perf_counter() - t0
 
 
-def run_server(name: str, model: str, kv: dict | None, bursts: list[list[list[int]]],
-               server_args: list[str], args, workdir: Path) -> dict:
+def run_server(
+    name: str,
+    model: str,
+    kv: dict | None,
+    bursts: list[list[list[int]]],
+    server_args: list[str],
+    args,
+    workdir: Path,
+) -> dict:
     log = workdir / f"{name}.log"
-    with VllmServer(model, kv, server_args, log, max_model_len=4096) as srv, \
-            ThreadPoolExecutor(max_workers=args.requests) as pool:
+    with (
+        VllmServer(model, kv, server_args, log, max_model_len=4096) as srv,
+        ThreadPoolExecutor(max_workers=args.requests) as pool,
+    ):
         print(f"[{name}] warm-up burst ...", file=sys.stderr, flush=True)
         warmup = run_burst(srv, pool, bursts[0], args.max_tokens, salt_of(args, 0))
         settle_s = [settle(srv)]
-        print(f"[{name}] warm-up: wall {warmup['wall_s']:.2f}s; settled in {settle_s[0]:.1f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{name}] warm-up: wall {warmup['wall_s']:.2f}s; settled in {settle_s[0]:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         measured = []
         for i, prompts in enumerate(bursts[1:], 1):
             if args.settle_each and i > 1:
                 settle_s.append(settle(srv))
             r = run_burst(srv, pool, prompts, args.max_tokens, salt_of(args, i))
-            print(f"[{name}] burst {i}: wall {r['wall_s']:.2f}s, {r['tok_per_s']:.1f} tok/s, "
-                  f"mean TTFT {r['mean_ttft_s']:.3f}s", file=sys.stderr, flush=True)
+            print(
+                f"[{name}] burst {i}: wall {r['wall_s']:.2f}s, {r['tok_per_s']:.1f} tok/s, "
+                f"mean TTFT {r['mean_ttft_s']:.3f}s",
+                file=sys.stderr,
+                flush=True,
+            )
             measured.append(r)
         settle_s.append(settle(srv))  # also brings the last burst's counters into the log
-        print(f"[{name}] settled after the last burst in {settle_s[-1]:.1f}s", file=sys.stderr,
-              flush=True)
+        print(
+            f"[{name}] settled after the last burst in {settle_s[-1]:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"warmup": warmup, "bursts": measured, "settle_s": settle_s, "log": str(log)}
 
 
@@ -189,44 +227,79 @@ def salt_of(args, burst: int) -> str | None:
 
 def transfer_metrics(log_text: str) -> tuple[list[str], dict[str, float]]:
     """The "KV Transfer metrics" lines of a server log, and their counters summed."""
-    lines = [line.split("KV Transfer metrics:", 1)[1].strip() for line in log_text.splitlines()
-             if "KV Transfer metrics:" in line]
+    lines = [
+        line.split("KV Transfer metrics:", 1)[1].strip()
+        for line in log_text.splitlines()
+        if "KV Transfer metrics:" in line
+    ]
     return lines, connector_stats(log_text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests per burst")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="measured bursts per server (after one warm-up burst)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measured bursts per server (after one warm-up burst)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--min-prompt-tokens", type=int, default=500)
     parser.add_argument("--max-prompt-tokens", type=int, default=1000)
-    parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2",
-                        help="smollm2: SmolLM2-135M (the real figure); tiny: 2-layer random Llama")
-    parser.add_argument("--settle-each", action="store_true",
-                        help="let discovery catch up before every measured burst too (isolates "
-                        "the lookups' cost from the embedding of the previous burst's donors)")
-    parser.add_argument("--servers", default="plain,semshare",
-                        help="comma-separated, run in this order: plain, semshare, capture-only "
-                        "(the connector with embedder none); plain and semshare are required")
-    parser.add_argument("--namespaces", choices=("fresh", "shared"), default="fresh",
-                        help="fresh: a new cache_salt per burst (requests without donors); "
-                        "shared: one namespace, so requests search earlier bursts' donors")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="smollm2",
+        help="smollm2: SmolLM2-135M (the real figure); tiny: 2-layer random Llama",
+    )
+    parser.add_argument(
+        "--settle-each",
+        action="store_true",
+        help="let discovery catch up before every measured burst too (isolates "
+        "the lookups' cost from the embedding of the previous burst's donors)",
+    )
+    parser.add_argument(
+        "--servers",
+        default="plain,semshare",
+        help="comma-separated, run in this order: plain, semshare, capture-only "
+        "(the connector with embedder none); plain and semshare are required",
+    )
+    parser.add_argument(
+        "--namespaces",
+        choices=("fresh", "shared"),
+        default="fresh",
+        help="fresh: a new cache_salt per burst (requests without donors); "
+        "shared: one namespace, so requests search earlier bursts' donors",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompt lengths")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                        help="extra `vllm serve` flags for both servers (last option)")
+    parser.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `vllm serve` flags for both servers (last option)",
+    )
     args = parser.parse_args()
     model = str(models.tiny_llama() if args.model == "tiny" else models.smollm2())
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = burst_prompts(tok, args.requests * (args.repeats + 1), args.min_prompt_tokens,
-                            args.max_prompt_tokens, args.seed)
-    bursts = [prompts[i:i + args.requests] for i in range(0, len(prompts), args.requests)]
-    server_args = ["--block-size", "128", "--max-num-seqs", str(max(64, args.requests)),
-                   *args.server_args]
+    prompts = burst_prompts(
+        tok,
+        args.requests * (args.repeats + 1),
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+        args.seed,
+    )
+    bursts = [prompts[i : i + args.requests] for i in range(0, len(prompts), args.requests)]
+    server_args = [
+        "--block-size",
+        "128",
+        "--max-num-seqs",
+        str(max(64, args.requests)),
+        *args.server_args,
+    ]
     # Read by vLLM in the server process (VllmServer passes os.environ on); set for both servers
     # so that they log alike. 1 s: the connector's counters appear while the bursts run.
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "1"
@@ -240,64 +313,104 @@ def main() -> None:
         results[name] = run_server(name, model, kv, bursts, server_args, args, workdir)
 
     lengths = [len(p) for p in prompts]
-    print(f"\nmodel={Path(model).name} requests/burst={args.requests} namespaces={args.namespaces} "
-          f"measured bursts={args.repeats} max_tokens={args.max_tokens} "
-          f"prompt tokens min/median/max={min(lengths)}/{statistics.median(lengths):.0f}/"
-          f"{max(lengths)}\nserver args: {' '.join(server_args)} (VLLM_CPU_NUM_OF_RESERVED_CPU="
-          f"{os.environ.get('VLLM_CPU_NUM_OF_RESERVED_CPU', '1')})")
-    print(f"{'server':9s} {'burst':>5s} {'wall':>8s} {'out tok':>7s} {'tok/s':>8s} "
-          f"{'mean TTFT':>9s} {'max TTFT':>8s} {'mean lat':>8s} {'cached>0':>8s}")
+    print(
+        f"\nmodel={Path(model).name} requests/burst={args.requests} namespaces={args.namespaces} "
+        f"measured bursts={args.repeats} max_tokens={args.max_tokens} "
+        f"prompt tokens min/median/max={min(lengths)}/{statistics.median(lengths):.0f}/"
+        f"{max(lengths)}\nserver args: {' '.join(server_args)} (VLLM_CPU_NUM_OF_RESERVED_CPU="
+        f"{os.environ.get('VLLM_CPU_NUM_OF_RESERVED_CPU', '1')})"
+    )
+    print(
+        f"{'server':9s} {'burst':>5s} {'wall':>8s} {'out tok':>7s} {'tok/s':>8s} "
+        f"{'mean TTFT':>9s} {'max TTFT':>8s} {'mean lat':>8s} {'cached>0':>8s}"
+    )
     medians = {}
     for name, r in results.items():
         for i, b in enumerate(r["bursts"], 1):
-            print(f"{name:9s} {i:5d} {b['wall_s']:7.2f}s {b['output_tokens']:7.0f} "
-                  f"{b['tok_per_s']:8.1f} {b['mean_ttft_s']:8.3f}s {b['max_ttft_s']:7.3f}s "
-                  f"{b['mean_latency_s']:7.3f}s {b['cached_violations']:8d}")
-        medians[name] = {k: statistics.median(b[k] for b in r["bursts"])
-                         for k in ("wall_s", "tok_per_s", "mean_ttft_s")}
-    print(f"\n{'server':9s} {'median wall':>11s} {'median tok/s':>12s} {'median mean TTFT':>16s} "
-          f"{'cached>0':>8s} {'no usage':>8s} {'empty':>5s}")
+            print(
+                f"{name:9s} {i:5d} {b['wall_s']:7.2f}s {b['output_tokens']:7.0f} "
+                f"{b['tok_per_s']:8.1f} {b['mean_ttft_s']:8.3f}s {b['max_ttft_s']:7.3f}s "
+                f"{b['mean_latency_s']:7.3f}s {b['cached_violations']:8d}"
+            )
+        medians[name] = {
+            k: statistics.median(b[k] for b in r["bursts"])
+            for k in ("wall_s", "tok_per_s", "mean_ttft_s")
+        }
+    print(
+        f"\n{'server':9s} {'median wall':>11s} {'median tok/s':>12s} {'median mean TTFT':>16s} "
+        f"{'cached>0':>8s} {'no usage':>8s} {'empty':>5s}"
+    )
     for name, r in results.items():
         m, bs = medians[name], r["bursts"]
-        print(f"{name:9s} {m['wall_s']:10.2f}s {m['tok_per_s']:12.1f} {m['mean_ttft_s']:15.3f}s "
-              f"{sum(b['cached_violations'] for b in bs):8d} "
-              f"{sum(b['cached_missing'] for b in bs):8d} {sum(b['empty_texts'] for b in bs):5d}")
+        print(
+            f"{name:9s} {m['wall_s']:10.2f}s {m['tok_per_s']:12.1f} {m['mean_ttft_s']:15.3f}s "
+            f"{sum(b['cached_violations'] for b in bs):8d} "
+            f"{sum(b['cached_missing'] for b in bs):8d} {sum(b['empty_texts'] for b in bs):5d}"
+        )
     ratio = medians["semshare"]["tok_per_s"] / medians["plain"]["tok_per_s"]
     ttft_ratio = medians["semshare"]["mean_ttft_s"] / medians["plain"]["mean_ttft_s"]
     if "capture-only" in medians:
-        print(f"\nthroughput capture-only/plain: "
-              f"{medians['capture-only']['tok_per_s'] / medians['plain']['tok_per_s']:.3f}; "
-              f"semshare/capture-only (discovery's own cost): "
-              f"{medians['semshare']['tok_per_s'] / medians['capture-only']['tok_per_s']:.3f}")
+        print(
+            f"\nthroughput capture-only/plain: "
+            f"{medians['capture-only']['tok_per_s'] / medians['plain']['tok_per_s']:.3f}; "
+            f"semshare/capture-only (discovery's own cost): "
+            f"{medians['semshare']['tok_per_s'] / medians['capture-only']['tok_per_s']:.3f}"
+        )
     expected = args.requests * args.max_tokens
-    short = [(n, i) for n, r in results.items() for i, b in enumerate(r["bursts"], 1)
-             if b["output_tokens"] != expected]
-    print(f"\nthroughput semshare/plain: {ratio:.3f} (target >= 0.98: "
-          f"{'met' if ratio >= 0.98 else 'NOT met'}); mean TTFT semshare/plain: {ttft_ratio:.3f}")
+    short = [
+        (n, i)
+        for n, r in results.items()
+        for i, b in enumerate(r["bursts"], 1)
+        if b["output_tokens"] != expected
+    ]
+    print(
+        f"\nthroughput semshare/plain: {ratio:.3f} (target >= 0.98: "
+        f"{'met' if ratio >= 0.98 else 'NOT met'}); mean TTFT semshare/plain: {ttft_ratio:.3f}"
+    )
     if short:
         print(f"bursts whose server-counted output tokens != {expected}: {short}")
 
     for name, r in results.items():
-        print(f"{name}: discovery caught up in " + ", ".join(f"{x:.1f}s" for x in r["settle_s"])
-              + " (after the warm-up, " + ("each burst" if args.settle_each else "the last burst")
-              + ")")
+        print(
+            f"{name}: discovery caught up in "
+            + ", ".join(f"{x:.1f}s" for x in r["settle_s"])
+            + " (after the warm-up, "
+            + ("each burst" if args.settle_each else "the last burst")
+            + ")"
+        )
     lines, totals = transfer_metrics(Path(results["semshare"]["log"]).read_text())
     shown = [b for b in lines if "semantic_lookups=" in b or "donors_embedded=" in b]
-    print(f"\nsemshare log ({results['semshare']['log']}): {len(lines)} 'KV Transfer metrics' "
-          f"lines, {len(shown)} of them with semantic_lookups or donors_embedded:")
+    print(
+        f"\nsemshare log ({results['semshare']['log']}): {len(lines)} 'KV Transfer metrics' "
+        f"lines, {len(shown)} of them with semantic_lookups or donors_embedded:"
+    )
     cut = len(shown) > 40
     for body in (shown[:15] + ["..."] + shown[-15:]) if cut else shown:
         print(f"  {body}")
-    print("discovery totals: " + (", ".join(f"{k}={totals[k]:g}" for k in DISCOVERY_COUNTERS
-                                            if k in totals) or "none"))
-    if not totals.get("donors_embedded") or (args.namespaces == "shared"
-                                             and not totals.get("semantic_lookups")):
-        print("WARNING: the log shows no semantic lookups or no embedded donors; "
-              "discovery did not run during the bursts")
+    print(
+        "discovery totals: "
+        + (", ".join(f"{k}={totals[k]:g}" for k in DISCOVERY_COUNTERS if k in totals) or "none")
+    )
+    if not totals.get("donors_embedded") or (
+        args.namespaces == "shared" and not totals.get("semantic_lookups")
+    ):
+        print(
+            "WARNING: the log shows no semantic lookups or no embedded donors; "
+            "discovery did not run during the bursts"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
-                                               "medians": medians, "ratio": ratio,
-                                               "transfer_metrics": lines}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "results": results,
+                    "medians": medians,
+                    "ratio": ratio,
+                    "transfer_metrics": lines,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ from semshare_vllm.testbed.server import SEMSHARE, VllmServer
 from semshare_vllm.testbed.text import wiki_document
 
 HEAD_A = "Read the article below and answer the question after it.\n\n"
-HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
-          "all of it before you answer, and answer in one short sentence.\n\n")
+HEAD_B = (
+    "You are a careful assistant. The following text comes from an encyclopedia; read "
+    "all of it before you answer, and answer in one short sentence.\n\n"
+)
 QUESTION = "\n\nQuestion: What is the article about? Answer:"
 LAYERS = 30
 
@@ -39,13 +41,25 @@ def prompts(tok, sizes, docs):
     out = {}
     for size in sizes:
         for i in range(docs):
-            doc = tok.decode(tok(wiki_document(4000 + 97 * i + size, 8 * size),
-                                 add_special_tokens=False)["input_ids"][:size])
-            neg, neg_off = (tok.decode(tok(wiki_document(start + 97 * i + size, 8 * size),
-                                           add_special_tokens=False)["input_ids"][:size])
-                            for start in (7000, 8500))
-            out[(size, i)] = {"donor": HEAD_A + doc + QUESTION, "target": HEAD_B + doc + QUESTION,
-                              "negative": neg + QUESTION, "negative_off": neg_off + QUESTION}
+            doc = tok.decode(
+                tok(wiki_document(4000 + 97 * i + size, 8 * size), add_special_tokens=False)[
+                    "input_ids"
+                ][:size]
+            )
+            neg, neg_off = (
+                tok.decode(
+                    tok(wiki_document(start + 97 * i + size, 8 * size), add_special_tokens=False)[
+                        "input_ids"
+                    ][:size]
+                )
+                for start in (7000, 8500)
+            )
+            out[(size, i)] = {
+                "donor": HEAD_A + doc + QUESTION,
+                "target": HEAD_B + doc + QUESTION,
+                "negative": neg + QUESTION,
+                "negative_off": neg_off + QUESTION,
+            }
     return out
 
 
@@ -64,9 +78,14 @@ def run(name, model, kv, cases, max_tokens, workdir):
 
     os.environ["VLLM_LOG_STATS_INTERVAL"] = "1"
     out = {}
-    with VllmServer(model, kv, ["--block-size", "32", "--enable-prompt-tokens-details"],
-                    workdir / f"{name}.log", max_model_len=4096) as srv:
-        srv.complete("Hello, world. " * 20, max_tokens=2)        # warm-up
+    with VllmServer(
+        model,
+        kv,
+        ["--block-size", "32", "--enable-prompt-tokens-details"],
+        workdir / f"{name}.log",
+        max_model_len=4096,
+    ) as srv:
+        srv.complete("Hello, world. " * 20, max_tokens=2)  # warm-up
         if kv is not None:
             for case in cases.values():
                 srv.complete(case["donor"], max_tokens=2)
@@ -75,13 +94,20 @@ def run(name, model, kv, cases, max_tokens, workdir):
             t = srv.complete(case["target"], max_tokens=max_tokens)
             # two unrelated prompts, one with the connector searching and one opted out, in
             # alternating order: the miss overhead measured on one server at one time
-            negatives = [("neg_ttft", case["negative"], None),
-                         ("neg_off_ttft", case["negative_off"], {"semshare": "off"})]
-            out[key] = {"ttft": t.ttft_s, "text": t.text, "cached": t.cached_tokens or 0,
-                        "prompt": t.prompt_tokens or 0}
-            for name, prompt, params in negatives[::1 if i % 2 else -1]:
-                out[key][name] = srv.complete(prompt, max_tokens=2, kv_transfer_params=(
-                    params if kv is not None else None)).ttft_s
+            negatives = [
+                ("neg_ttft", case["negative"], None),
+                ("neg_off_ttft", case["negative_off"], {"semshare": "off"}),
+            ]
+            out[key] = {
+                "ttft": t.ttft_s,
+                "text": t.text,
+                "cached": t.cached_tokens or 0,
+                "prompt": t.prompt_tokens or 0,
+            }
+            for name, prompt, params in negatives[:: 1 if i % 2 else -1]:
+                out[key][name] = srv.complete(
+                    prompt, max_tokens=2, kv_transfer_params=(params if kv is not None else None)
+                ).ttft_s
         stats = srv.connector_stats()
     return out, stats
 
@@ -91,8 +117,12 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--extra-config", type=json.loads, default={},
-                        help='connector keys to set, as JSON (e.g. {"recompute_ratio": 0.3})')
+    parser.add_argument(
+        "--extra-config",
+        type=json.loads,
+        default={},
+        help='connector keys to set, as JSON (e.g. {"recompute_ratio": 0.3})',
+    )
     args = parser.parse_args()
     model = str(models.smollm2())
     from transformers import AutoTokenizer
@@ -110,12 +140,16 @@ def main() -> None:
     from semshare_vllm.config import SemShareConfig
 
     config = SemShareConfig.from_extra_config(args.extra_config)
-    print(f"\n## Semantic hits through vllm serve (SmolLM2-135M, CPU; cross-instruction pairs, "
-          f"{args.docs} documents per size; medians; CacheBlend r = "
-          f"{config.recompute_ratio:.0%}, at least {config.recompute_min_tokens} tokens)")
-    print("| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | r | ceiling | "
-          "of ceiling | reused | ROUGE-L(hit, cold) | miss overhead (vs opted out, same "
-          "server) | miss overhead (vs cold server) |")
+    print(
+        f"\n## Semantic hits through vllm serve (SmolLM2-135M, CPU; cross-instruction pairs, "
+        f"{args.docs} documents per size; medians; CacheBlend r = "
+        f"{config.recompute_ratio:.0%}, at least {config.recompute_min_tokens} tokens)"
+    )
+    print(
+        "| doc tokens | prompt tokens | cold TTFT | hit TTFT | speed-up | r | ceiling | "
+        "of ceiling | reused | ROUGE-L(hit, cold) | miss overhead (vs opted out, same "
+        "server) | miss overhead (vs cold server) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         keys = [k for k in cases if k[0] == size]
@@ -126,17 +160,33 @@ def main() -> None:
         ceiling = LAYERS / (1.25 + 0.75 * r + r * (LAYERS - 2))
         reused = statistics.median(hit[k]["cached"] / hit[k]["prompt"] for k in keys)
         rouge = statistics.median(rouge_l(hit[k]["text"], cold[k]["text"]) for k in keys)
-        same = statistics.median(hit[k]["neg_ttft"] for k in keys) / \
-            statistics.median(hit[k]["neg_off_ttft"] for k in keys)
+        same = statistics.median(hit[k]["neg_ttft"] for k in keys) / statistics.median(
+            hit[k]["neg_off_ttft"] for k in keys
+        )
         miss = statistics.median(hit[k]["neg_ttft"] / cold[k]["neg_ttft"] for k in keys)
-        print(f"| {size:,} | {prompt:.0f} | {c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | "
-              f"{r:.0%} | {ceiling:.2f}x | {c / h / ceiling:.2f} | {reused:.2f} | {rouge:.2f} | "
-              f"{same - 1:+.1%} | {miss - 1:+.1%} |")
-    keys = ("semantic_hits", "hit_tokens", "exact_reused_tokens", "fuzzy_reused_tokens",
-            "recomputed_tokens", "recomputed_token_layers", "align_ms", "load_ms",
-            "recompute_ms", "deviation_sum", "deviation_count", "semantic_misses",
-            "lookups_without_shared_grams", "lookup_timeouts", "align_timeouts",
-            "lookup_wait_ms")
+        print(
+            f"| {size:,} | {prompt:.0f} | {c * 1e3:.0f} ms | {h * 1e3:.0f} ms | {c / h:.2f}x | "
+            f"{r:.0%} | {ceiling:.2f}x | {c / h / ceiling:.2f} | {reused:.2f} | {rouge:.2f} | "
+            f"{same - 1:+.1%} | {miss - 1:+.1%} |"
+        )
+    keys = (
+        "semantic_hits",
+        "hit_tokens",
+        "exact_reused_tokens",
+        "fuzzy_reused_tokens",
+        "recomputed_tokens",
+        "recomputed_token_layers",
+        "align_ms",
+        "load_ms",
+        "recompute_ms",
+        "deviation_sum",
+        "deviation_count",
+        "semantic_misses",
+        "lookups_without_shared_grams",
+        "lookup_timeouts",
+        "align_timeouts",
+        "lookup_wait_ms",
+    )
     print("\nconnector totals: " + ", ".join(f"{k}={stats.get(k, 0):.3g}" for k in keys))
 
 

@@ -19,12 +19,16 @@ from semshare_vllm.config import ALIGN_STAGES, ENV_PREFIX, SemShareConfig
 
 # (title, section class), in the order of SemShareConfig's fields.
 SECTIONS: tuple[tuple[str, type[config.Section]], ...] = tuple(
-    (section.TITLE, section) for section in config.SECTIONS)
+    (section.TITLE, section) for section in config.SECTIONS
+)
 
-_CHECKOUT = Path(__file__).resolve().parents[2]   # src/semshare_vllm/ -> the repository root
+_CHECKOUT = Path(__file__).resolve().parents[2]  # src/semshare_vllm/ -> the repository root
 # The page in this checkout; from an installed package, docs/ under the current directory.
-DOCS_PATH = (_CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()) / "docs" / \
-    "configuration.md"
+DOCS_PATH = (
+    (_CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd())
+    / "docs"
+    / "configuration.md"
+)
 
 _INTRO = f"""\
 # Configuration reference
@@ -64,8 +68,9 @@ vllm serve MODEL --kv-transfer-config '{{"kv_connector":"SemShareConnector",
 def sections() -> list[tuple[str, list[dataclasses.Field]]]:
     """The fields of SemShareConfig grouped by section, in the dataclass's order."""
     fields = dataclasses.fields(SemShareConfig)
-    grouped = [(title, [f for f in fields if f.name in _names(section)])
-               for title, section in SECTIONS]
+    grouped = [
+        (title, [f for f in fields if f.name in _names(section)]) for title, section in SECTIONS
+    ]
     if [f.name for _, group in grouped for f in group] != [f.name for f in fields]:
         raise ValueError("SemShareConfig's fields must be those of SECTIONS, in their order")
     return grouped
@@ -114,15 +119,20 @@ def format_allowed(f: dataclasses.Field) -> str:
         return ", ".join(f'`"{c}"`' for c in meta["choices"])
     if kind == "bool":
         return "`true`, `false`"
-    if f.name == "align_stages":   # checked across the list in AlignmentConfig.validate
+    if f.name == "align_stages":  # checked across the list in AlignmentConfig.validate
         return "comma-separated, no repeats: " + ", ".join(f"`{s}`" for s in ALIGN_STAGES)
     if kind == "str | None":
         return "a string (secret: never shown)" if meta.get("secret") else "a string, or unset"
     if kind == "str":
         return "a string"
     lo, hi = meta.get("min"), meta.get("max")
-    what = "bytes (integer or size string)" if meta.get("size") else \
-        "integer" if kind == "int" else "number"
+    what = (
+        "bytes (integer or size string)"
+        if meta.get("size")
+        else "integer"
+        if kind == "int"
+        else "number"
+    )
     if lo is not None and hi is not None:
         return f"{what}, {_number(lo)} to {_number(hi)}"
     if lo is not None:
@@ -139,11 +149,20 @@ def _cell(text: str) -> str:
 def render() -> str:
     out = [_INTRO.rstrip("\n")]
     for (title, section), (_, fields) in zip(SECTIONS, sections()):
-        out += ["", f"## {title}", "", f"`{section.__name__}`: {summary(section)}", "",
-                "| key | default | allowed values | description |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"## {title}",
+            "",
+            f"`{section.__name__}`: {summary(section)}",
+            "",
+            "| key | default | allowed values | description |",
+            "|---|---|---|---|",
+        ]
         for f in fields:
-            out.append(f"| `{f.name}` | {format_default(f)} | {format_allowed(f)} | "
-                       f"{_cell(f.metadata['doc'])} |")
+            out.append(
+                f"| `{f.name}` | {format_default(f)} | {format_allowed(f)} | "
+                f"{_cell(f.metadata['doc'])} |"
+            )
     return "\n".join(out) + "\n"
 
 

@@ -36,8 +36,12 @@ from semshare_vllm.worker import SemShareWorker
 logger = logging.getLogger("vllm.semshare")
 
 
-def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None = None,
-                      stats: StatsRecorder | None = None):
+def shared_donor_feed(
+    config: SemShareConfig,
+    geometry,
+    max_tokens: int | None = None,
+    stats: StatsRecorder | None = None,
+):
     """The shared donor index (``shared_index_url``, records signed with
     ``shared_index_secret``), or None (unset, or the ``[lmcache]`` extra that brings redis-py
     missing: this instance then keeps its donors to itself, with one warning). Records must have
@@ -48,12 +52,20 @@ def shared_donor_feed(config: SemShareConfig, geometry, max_tokens: int | None =
         from semshare_vllm.catalog.shared_index import SharedDonorFeed
         from semshare_vllm.catalog.shared_records import MAX_TOKENS
 
-        return SharedDonorFeed(config.shared_index_url, geometry.fingerprint,
-                               secret=config.shared_index_secret, tp_size=geometry.tp_size,
-                               max_tokens=max_tokens or MAX_TOKENS, stats=stats)
+        return SharedDonorFeed(
+            config.shared_index_url,
+            geometry.fingerprint,
+            secret=config.shared_index_secret,
+            tp_size=geometry.tp_size,
+            max_tokens=max_tokens or MAX_TOKENS,
+            stats=stats,
+        )
     except Exception as exc:
-        logger.warning("SemShare: the shared donor index is off (this instance's donors only): "
-                       "%s: %s", type(exc).__name__, exc)
+        logger.warning(
+            "SemShare: the shared donor index is off (this instance's donors only): %s: %s",
+            type(exc).__name__,
+            exc,
+        )
         return None
 
 
@@ -71,24 +83,42 @@ class SemShareConnector(KVConnectorBase_V1):
             # A donor that cannot be loaded must cost a recompute, never the request: vLLM reads
             # this policy right after building the scheduler-side connector.
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-                logger.info("SemShare: kv_load_failure_policy %r -> 'recompute' (a donor that "
-                            "cannot be loaded is recomputed, never fails the request)",
-                            self._kv_transfer_config.kv_load_failure_policy)
+                logger.info(
+                    "SemShare: kv_load_failure_policy %r -> 'recompute' (a donor that "
+                    "cannot be loaded is recomputed, never fails the request)",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             if geometry.exact_only and not geometry.unsupported:
                 logger.warning("SemShare: exact-prefix reuse only: %s", geometry.exact_only)
             # Quantised KV (exact_only): no semantic discovery, so no semantic claims.
-            stats = StatsRecorder()   # the scheduler half's, which discovery and the feed share
-            discovery = None if geometry.unsupported or geometry.exact_only else build_discovery(
-                self.config, vllm_config.model_config.tokenizer, stats)
-            aligner = None if discovery is None else Aligner(
-                AlignParams.from_config(self.config), vllm_config.model_config.model,
-                vllm_config.model_config.tokenizer, self.config.embedding_sketch_dim)
+            stats = StatsRecorder()  # the scheduler half's, which discovery and the feed share
+            discovery = (
+                None
+                if geometry.unsupported or geometry.exact_only
+                else build_discovery(self.config, vllm_config.model_config.tokenizer, stats)
+            )
+            aligner = (
+                None
+                if discovery is None
+                else Aligner(
+                    AlignParams.from_config(self.config),
+                    vllm_config.model_config.model,
+                    vllm_config.model_config.tokenizer,
+                    self.config.embedding_sketch_dim,
+                )
+            )
             # exact_only: no LMCache tier on the worker, so shared donors could not be fetched
-            feed = None if geometry.unsupported or geometry.exact_only else shared_donor_feed(
-                self.config, geometry, vllm_config.model_config.max_model_len, stats)
-            self.scheduler = SemShareScheduler(self.config, geometry, discovery, aligner, feed,
-                                               stats)
+            feed = (
+                None
+                if geometry.unsupported or geometry.exact_only
+                else shared_donor_feed(
+                    self.config, geometry, vllm_config.model_config.max_model_len, stats
+                )
+            )
+            self.scheduler = SemShareScheduler(
+                self.config, geometry, discovery, aligner, feed, stats
+            )
             logger.info("SemShare connector (scheduler) ready: %s", self.config.describe())
         else:
             self.worker = SemShareWorker(self.config, geometry, vllm_config)
@@ -132,7 +162,7 @@ class SemShareConnector(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler is not None:   # failed loads' blocks leave vLLM's prefix cache
+        if self.scheduler is not None:  # failed loads' blocks leave vLLM's prefix cache
             self.scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def has_pending_block_frees(self) -> bool:
@@ -150,8 +180,9 @@ class SemShareConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
-                      **kwargs) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs
+    ) -> None:
         return None
 
     def wait_for_save(self) -> None:
@@ -172,8 +203,9 @@ class SemShareConnector(KVConnectorBase_V1):
         return SemShareStats.of(half.stats.take())
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
-                                 ) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return SemShareStats(data=dict(data)) if data is not None else SemShareStats()
 
     @classmethod

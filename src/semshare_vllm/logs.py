@@ -20,21 +20,26 @@ _lock = threading.Lock()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def warn_once(logger: logging.Logger, kind: str, msg: str, *args,
-              exc_info: BaseException | bool | None = None) -> None:
+def warn_once(
+    logger: logging.Logger, kind: str, msg: str, *args, exc_info: BaseException | bool | None = None
+) -> None:
     """Log ``msg`` at WARNING the first time ``kind`` happens in this process, at DEBUG after."""
     with _lock:
         first = (logger.name, kind) not in _seen
         _seen.add((logger.name, kind))
     if first:
-        logger.warning(msg + " (logged once; later ones are counted in the connector stats)",
-                       *args, exc_info=exc_info)
+        logger.warning(
+            msg + " (logged once; later ones are counted in the connector stats)",
+            *args,
+            exc_info=exc_info,
+        )
     else:
         logger.debug(msg, *args, exc_info=exc_info)
 
 
-def guarded(where: str, fallback: Any = None, *, counter: str = "fallbacks",
-            on_fault: str | None = None) -> Callable[[F], F]:
+def guarded(
+    where: str, fallback: Any = None, *, counter: str = "fallbacks", on_fault: str | None = None
+) -> Callable[[F], F]:
     """Wrap a method of an object with ``stats`` and ``logger`` attributes: an exception is
     counted (``counter``), logged once (with its traceback) and answered with ``fallback``.
     ``on_fault`` names a method called with the same arguments first, for what must still
@@ -47,10 +52,17 @@ def guarded(where: str, fallback: Any = None, *, counter: str = "fallbacks",
                 return method(self, *args, **kwargs)
             except Exception:
                 self.stats.add(counter)
-                warn_once(self.logger, f"fault:{where}", "SemShare: %s failed; the request is "
-                          "computed as usual", where, exc_info=True)
+                warn_once(
+                    self.logger,
+                    f"fault:{where}",
+                    "SemShare: %s failed; the request is computed as usual",
+                    where,
+                    exc_info=True,
+                )
                 if on_fault is not None:
                     getattr(self, on_fault)(*args, **kwargs)
                 return fallback
+
         return call  # type: ignore[return-value]
+
     return wrap

@@ -105,7 +105,10 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
         merged.extend(k for k in other.bad_donors if k not in merged)
         caps = [c for c in (self.capacity_bytes, other.capacity_bytes) if c is not None]
         ready = [r for r in (self.recompute_ready, other.recompute_ready) if r is not None]
-        return SemShareWorkerMetadata(merged, min(caps) if caps else None,
-                                      all(ready) if ready else None,
-                                      self.deviations + other.deviations,
-                                      self.disabled or other.disabled)
+        return SemShareWorkerMetadata(
+            merged,
+            min(caps) if caps else None,
+            all(ready) if ready else None,
+            self.deviations + other.deviations,
+            self.disabled or other.disabled,
+        )

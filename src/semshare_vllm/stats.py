@@ -36,8 +36,9 @@ class SemShareStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: round(v, 2) if isinstance(v, float) else v
-                                       for k, v in self.data.items() if v}
+        out: dict[str, int | float] = {
+            k: round(v, 2) if isinstance(v, float) else v for k, v in self.data.items() if v
+        }
         if self.data.get("lookup_tokens"):
             out["hit_token_rate"] = round(self.data["hit_tokens"] / self.data["lookup_tokens"], 3)
         return out
@@ -66,9 +67,13 @@ class SemSharePromMetrics(KVConnectorPromMetrics):
 
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:semshare_{name}", documentation=doc,
-                                  labelnames=labelnames), per_engine_labelvalues)
-            for name, doc in COUNTERS.items()}
+                self._counter_cls(
+                    name=f"vllm:semshare_{name}", documentation=doc, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():

@@ -19,8 +19,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return offline.semshare_llm(model, {"host_store_bytes": "256MiB"},
-                                kv_cache_dtype="fp8_e5m2")
+    return offline.semshare_llm(model, {"host_store_bytes": "256MiB"}, kv_cache_dtype="fp8_e5m2")
 
 
 def gen(llm, prompt, salt=None, kv=None):
@@ -29,8 +28,12 @@ def gen(llm, prompt, salt=None, kv=None):
     request = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
-                            extra_args={"kv_transfer_params": kv} if kv else None)
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": kv} if kv else None,
+    )
     out = llm.generate([request], params, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
@@ -51,12 +54,12 @@ def test_fp8_kv_is_served_by_exact_prefix_only(model, llm):
     moved = ids("Read this first.\n\n" + doc + "\n\nSummarize the passage above:")
     cold_exact, _ = gen(llm, exact, salt="cold-1", kv=OFF)
     cold_moved, _ = gen(llm, moved, salt="cold-2", kv=OFF)
-    gen(llm, ids(doc + "\n\nQuestion: What is the text above about? Answer:"))   # the donor
-    gen(llm, ids("filler " * 40), kv=OFF)            # a step: the donor is captured
+    gen(llm, ids(doc + "\n\nQuestion: What is the text above about? Answer:"))  # the donor
+    gen(llm, ids("filler " * 40), kv=OFF)  # a step: the donor is captured
     worker.flush_captures()
     out, cached = gen(llm, exact)
-    assert cached >= 0.8 * len(exact) and out == cold_exact      # exact pages: the same bytes
+    assert cached >= 0.8 * len(exact) and out == cold_exact  # exact pages: the same bytes
     out, cached = gen(llm, moved)
-    assert cached == 0 and out == cold_moved                    # nothing moved or repaired
+    assert cached == 0 and out == cold_moved  # nothing moved or repaired
     assert sched.stats.totals.get("semantic_lookups", 0) == 0
     assert not worker.stats.totals.get("load_failures")

@@ -35,16 +35,27 @@ def adapter(model, tmp_path_factory):
             weights[prefix + ".lora_B.weight"] = torch.randn(out, 8, generator=g) * 0.05
     path = tmp_path_factory.mktemp("lora")
     save_file(weights, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none", "task_type": "CAUSAL_LM",
-        "target_modules": ["q_proj", "k_proj", "v_proj"], "base_model_name_or_path": model}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+                "target_modules": ["q_proj", "k_proj", "v_proj"],
+                "base_model_name_or_path": model,
+            }
+        )
+    )
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return offline.semshare_llm(model, {"host_store_bytes": "512MiB"}, enable_lora=True,
-                                max_lora_rank=8, max_loras=1)
+    return offline.semshare_llm(
+        model, {"host_store_bytes": "512MiB"}, enable_lora=True, max_lora_rank=8, max_loras=1
+    )
 
 
 def gen(llm, prompt, lora=None, salt=None, kv=None):
@@ -53,8 +64,12 @@ def gen(llm, prompt, lora=None, salt=None, kv=None):
     request = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                            extra_args={"kv_transfer_params": kv} if kv else None)
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": kv} if kv else None,
+    )
     out = llm.generate([request], params, lora_request=lora, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
@@ -69,28 +84,28 @@ def test_a_donor_serves_only_requests_with_its_own_lora_adapter(model, llm, adap
         return tok(text)["input_ids"]
 
     sched, worker = offline.connector_halves(llm)
-    assert worker.kv.repairer is None and not sched.recompute_ready     # no repair under LoRA
+    assert worker.kv.repairer is None and not sched.recompute_ready  # no repair under LoRA
     lora = LoRARequest("random", 1, adapter)
     doc = wiki_document(1300, 2000)
     a = ids(HEAD + doc + "\n\nQuestion: What is this article about? Answer:")
     b = ids(HEAD + doc + "\n\nQuestion: Who or what is the subject? Answer:")
     cold_plain, _ = gen(llm, b, salt="cold-plain", kv=OFF)
     cold_lora, _ = gen(llm, b, lora=lora, salt="cold-lora", kv=OFF)
-    assert cold_lora != cold_plain                      # the adapter changes the answer
+    assert cold_lora != cold_plain  # the adapter changes the answer
 
     def settle():
-        gen(llm, ids("filler " * 40), kv=OFF)           # a step: the donor is captured
+        gen(llm, ids("filler " * 40), kv=OFF)  # a step: the donor is captured
         worker.flush_captures()
 
-    gen(llm, a)                                         # a donor computed without the adapter
+    gen(llm, a)  # a donor computed without the adapter
     settle()
     hits = sched.stats.totals.get("hits", 0)
     served, cached = gen(llm, b, lora=lora)
     assert cached == 0 and sched.stats.totals.get("hits", 0) == hits
     assert served == cold_lora
-    gen(llm, a, lora=lora)                              # a donor with the adapter
+    gen(llm, a, lora=lora)  # a donor with the adapter
     settle()
-    served, cached = gen(llm, b, lora=lora)             # its exact prefix, same adapter
+    served, cached = gen(llm, b, lora=lora)  # its exact prefix, same adapter
     assert cached >= 0.7 * len(b) and served == cold_lora
-    plain, cached = gen(llm, b)                         # no adapter: the plain donor only
+    plain, cached = gen(llm, b)  # no adapter: the plain donor only
     assert plain == cold_plain

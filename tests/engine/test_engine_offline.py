@@ -14,8 +14,10 @@ from semshare_vllm.testbed.text import wiki_document
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
-QUESTIONS = ["\n\nQuestion: What is the text above about? Answer:",
-             "\n\nSummarize the passage above in one sentence:"]
+QUESTIONS = [
+    "\n\nQuestion: What is the text above about? Answer:",
+    "\n\nSummarize the passage above in one sentence:",
+]
 FILLER = "The quick brown fox jumps over the lazy dog. " * 8
 
 
@@ -27,6 +29,7 @@ def model():
 @pytest.fixture(scope="module")
 def cases(tok):
     """Per named case: prompt A (doc + question 1) and B (same doc + question 2), as token ids."""
+
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -52,8 +55,9 @@ def persist_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model, persist_dir):
-    return offline.semshare_llm(model, {"persist_dir": str(persist_dir),
-                                        "host_store_bytes": "512MiB"})
+    return offline.semshare_llm(
+        model, {"persist_dir": str(persist_dir), "host_store_bytes": "512MiB"}
+    )
 
 
 @pytest.fixture
@@ -165,8 +169,9 @@ def test_captured_kv_equals_hf_keys_and_values(model, llm, worker, cases):
     # [layers, blocks, H, N, 2D], CPU order
     pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    stored = torch.stack([torch.stack(worker.kv.layout.read_range(p, blocks, 0, len(a)))
-                          for p in pages])  # [layers, 2, tokens, heads, dim]
+    stored = torch.stack(
+        [torch.stack(worker.kv.layout.read_range(p, blocks, 0, len(a))) for p in pages]
+    )  # [layers, 2, tokens, heads, dim]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         cache = hf(torch.tensor([a]), use_cache=True).past_key_values

@@ -17,8 +17,13 @@ pytestmark = pytest.mark.engine
 def test_connector_serves_what_vllms_prefix_cache_evicted():
     model = str(models.tiny_llama())
     script = Path(__file__).parent / "scenarios" / "prefix_cache_on.py"
-    proc = subprocess.run([sys.executable, str(script), model], capture_output=True, text=True,
-                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), model],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     b = out["b_after_eviction"]

@@ -22,8 +22,10 @@ from semshare_vllm.vllm_compat import model_hook
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
-QUESTIONS = ["\n\nQuestion: What is the text above about? Answer:",
-             "\n\nSummarize the passage above in one sentence:"]
+QUESTIONS = [
+    "\n\nQuestion: What is the text above about? Answer:",
+    "\n\nSummarize the passage above in one sentence:",
+]
 FILLER = "The quick brown fox jumps over the lazy dog. " * 8
 
 
@@ -74,8 +76,8 @@ def captured(llm, worker, cases, prompt):
     """Run ``prompt``, wait for its capture; its donor key."""
     out = run(llm, prompt)
     key = DonorKey("", donor_id_for("", prompt + out["token_ids"][:-1]))
-    run(llm, cases["filler"])   # one more step starts the capture...
-    worker.flush_captures()     # ...which we wait for
+    run(llm, cases["filler"])  # one more step starts the capture...
+    worker.flush_captures()  # ...which we wait for
     assert key in worker.kv.store
     return key
 
@@ -84,8 +86,7 @@ def donor_kv(worker, key, n):
     """[layers, 2, n, H, D] of a stored donor (the KV vLLM computed)."""
     pages = worker.kv.store.pool[:, worker.kv.store.blocks(key)]
     blocks = list(range(pages.shape[1]))
-    return torch.stack([torch.stack(worker.kv.layout.read_range(p, blocks, 0, n))
-                        for p in pages])
+    return torch.stack([torch.stack(worker.kv.layout.read_range(p, blocks, 0, n)) for p in pages])
 
 
 def private_caches(worker, num_blocks):
@@ -96,8 +97,9 @@ def private_caches(worker, num_blocks):
 
 
 def cache_kv(worker, caches, names, blocks, n):
-    return torch.stack([torch.stack(worker.kv.layout.read_range(caches[name], blocks, 0, n))
-                        for name in names])
+    return torch.stack(
+        [torch.stack(worker.kv.layout.read_range(caches[name], blocks, 0, n)) for name in names]
+    )
 
 
 def test_model_hook_reaches_the_loaded_model(llm, worker):
@@ -114,10 +116,10 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
     want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
 
     needed = -(-n // worker.geometry.block_size)
-    caches, names = private_caches(worker, num_blocks=needed + 3)   # 3 blocks stay unused
+    caches, names = private_caches(worker, num_blocks=needed + 3)  # 3 blocks stay unused
     blocks = np.random.default_rng(0).permutation(needed + 3)[:needed].tolist()  # scattered
     runner = LayerRunner(worker.kv.repairer.runner.model, caches, worker.kv.layout)
-    runner.recompute(prompt, blocks, np.arange(n))            # every position, over zeros
+    runner.recompute(prompt, blocks, np.arange(n))  # every position, over zeros
     got = cache_kv(worker, caches, names, blocks, n)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
 
@@ -129,23 +131,24 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
         worker.kv.layout.write_range(caches[name], blocks, 0, k, v)
     before = {name: c.clone() for name, c in caches.items()}
     runner.recompute(prompt, blocks, subset, context=n)
-    torch.testing.assert_close(cache_kv(worker, caches, names, blocks, n), want,
-                               atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(
+        cache_kv(worker, caches, names, blocks, n), want, atol=2e-4, rtol=1e-3
+    )
     untouched = np.setdiff1d(np.arange(n), subset)
     for name in names:
         k0, v0 = worker.kv.layout.read_range(before[name], blocks, 0, n)
         k1, v1 = worker.kv.layout.read_range(caches[name], blocks, 0, n)
-        assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched],
-                                                                         v1[untouched])
+        assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(
+            v0[untouched], v1[untouched]
+        )
         unused = sorted(set(range(len(caches[name]))) - set(blocks))
         assert torch.equal(before[name][unused], caches[name][unused])
 
 
-def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, reference,
-                                                      monkeypatch):
+def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, reference, monkeypatch):
     a, b = cases["poison"]
     key = captured(llm, worker, cases, a)
-    worker.kv.store.pool[:, worker.kv.store.blocks(key)] = 0        # the donor's KV is now garbage
+    worker.kv.store.pool[:, worker.kv.store.blocks(key)] = 0  # the donor's KV is now garbage
     recomputed = worker.stats.totals["recomputed_tokens"]
     # Watch every recompute: no block outside the loaded range of the request may change.
     seen = []
@@ -155,11 +158,13 @@ def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, refer
         before = [c.clone() for c in worker.kv.caches]
         result = original(token_ids, block_ids, selection, context, final_hidden)
         first = int(selection.start()[0]) // worker.geometry.block_size
-        mine = set(block_ids[first:-(-context // worker.geometry.block_size)])
+        mine = set(block_ids[first : -(-context // worker.geometry.block_size)])
         others = [i for i in range(len(worker.kv.caches[0])) if i not in mine]
-        seen.append(all(torch.equal(x[others], y[others])
-                        for x, y in zip(before, worker.kv.caches)))
+        seen.append(
+            all(torch.equal(x[others], y[others]) for x, y in zip(before, worker.kv.caches))
+        )
         return result
+
     monkeypatch.setattr(worker.kv.repairer.runner, "recompute", watched)
     out = run(llm, b)
     assert seen == [True]
@@ -177,20 +182,29 @@ def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases)
     from semshare_vllm.testbed.blend_eval import BlendBench
 
     donor, target = cases["kv"]
-    target = target[:40] + target                  # another, longer head
-    bench = BlendBench(worker.kv.repairer.runner.model, worker.kv.layout, worker.kv.caches[0],
-                       list(worker.geometry.layer_names), donor, target)
+    target = target[:40] + target  # another, longer head
+    bench = BlendBench(
+        worker.kv.repairer.runner.model,
+        worker.kv.layout,
+        worker.kv.caches[0],
+        list(worker.geometry.layer_names),
+        donor,
+        target,
+    )
     assert bench.alignment.coverage > 0.8
     n = len(target)
     every = np.arange(n)
     always = np.union1d(bench.always(), [n - 1])
     # check at layer 0: with the tiny model's 2 layers, layer 1 is where r matters
-    errors = [bench.evaluate(f"r={r}", CacheBlend(every, always, ratio=r, check_layer=0))
-              for r in (0.0, 0.15, 0.5, 1.0)]
+    errors = [
+        bench.evaluate(f"r={r}", CacheBlend(every, always, ratio=r, check_layer=0))
+        for r in (0.0, 0.15, 0.5, 1.0)
+    ]
     hidden = [o.hidden_error for o in errors]
     assert hidden[-1] < 1e-4 and errors[-1].logit_error < 1e-3 and errors[-1].same_top1
     assert all(a >= b - 1e-6 for a, b in zip(hidden, hidden[1:])), hidden
     assert hidden[0] > 10 * hidden[-1]
+
     # The check layer probes K/V of all, then runs attention and MLP for the kept only: the
     # same repair as running the check layer in full for everyone, at a fraction of the cost.
     class CheckLayerInFull(CacheBlend):

@@ -14,8 +14,10 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 8
 HEAD_A = "Read the article below and answer the question after it.\n\n"
-HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
-          "all of it before you answer, and answer in one short sentence.\n\n")
+HEAD_B = (
+    "You are a careful assistant. The following text comes from an encyclopedia; read "
+    "all of it before you answer, and answer in one short sentence.\n\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +26,13 @@ def prompts(tok):
         return tok(text)["input_ids"]
 
     doc, gone = wiki_document(700, 2000), wiki_document(1100, 2000)
-    return {"a": ids(HEAD_A + doc + "\n\nQuestion: What is this article about? Answer:"),
-            "b": ids(HEAD_B + doc + "\n\nQuestion: Who or what is the subject? Answer:"),
-            "c": ids(wiki_document(900, 1500) + "\n\nSummary:"),
-            "gone_a": ids(HEAD_A + gone + "\n\nQuestion: What is this article about? Answer:"),
-            "gone_b": ids(HEAD_B + gone + "\n\nQuestion: Who or what is the subject? Answer:")}
+    return {
+        "a": ids(HEAD_A + doc + "\n\nQuestion: What is this article about? Answer:"),
+        "b": ids(HEAD_B + doc + "\n\nQuestion: Who or what is the subject? Answer:"),
+        "c": ids(wiki_document(900, 1500) + "\n\nSummary:"),
+        "gone_a": ids(HEAD_A + gone + "\n\nQuestion: What is this article about? Answer:"),
+        "gone_b": ids(HEAD_B + gone + "\n\nQuestion: Who or what is the subject? Answer:"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +48,11 @@ def reference(references):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return offline.semshare_llm(model, {"host_store_bytes": "512MiB",
-                                        "lookup_deadline_ms": 20000}, enable_prefix_caching=True)
+    return offline.semshare_llm(
+        model,
+        {"host_store_bytes": "512MiB", "lookup_deadline_ms": 20000},
+        enable_prefix_caching=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +71,10 @@ def run(llm, prompt, salt=None):
 
 def donor_ready(llm, sched, worker, filler):
     """Let the last finished request be captured and embedded."""
-    run(llm, filler)                 # one more step starts the capture
+    run(llm, filler)  # one more step starts the capture
     worker.flush_captures()
     sched.discovery.wait_idle()
-    run(llm, filler)                 # the scheduler takes the embeddings in
+    run(llm, filler)  # the scheduler takes the embeddings in
     sched.discovery.wait_idle()
 
 
@@ -75,8 +82,9 @@ def totals(sched, worker):
     return {**sched.stats.totals, **worker.stats.totals}
 
 
-def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(llm, sched, worker, prompts,
-                                                                    reference):
+def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(
+    llm, sched, worker, prompts, reference
+):
     run(llm, prompts["a"])
     donor_ready(llm, sched, worker, prompts["c"])
     assert sched.recompute_ready
@@ -87,8 +95,10 @@ def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(llm, sched, 
     assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
     assert claimed >= 0.7 * len(prompts["b"])
     assert after["recomputed_tokens"] > before.get("recomputed_tokens", 0)
-    assert after["recomputed_token_layers"] - before.get("recomputed_token_layers", 0) < \
-        0.6 * claimed * 30                      # CacheBlend: far from recomputing everything
+    assert (
+        after["recomputed_token_layers"] - before.get("recomputed_token_layers", 0)
+        < 0.6 * claimed * 30
+    )  # CacheBlend: far from recomputing everything
     assert out["token_ids"][0] == reference["token_ids"][0]
 
     # The same prompt again: vLLM's prefix cache must not serve the approximate blocks as an
@@ -106,7 +116,7 @@ def test_prefix_caching_is_on_for_fully_computed_prompts(llm, sched, prompts):
     run(llm, prompts["c"])
     again = run(llm, prompts["c"])
     assert again["num_cached_tokens"] >= 0.8 * len(prompts["c"])
-    assert sched.stats.totals.get("hit_tokens", 0) == hits   # vLLM's cache, not ours
+    assert sched.stats.totals.get("hit_tokens", 0) == hits  # vLLM's cache, not ours
 
 
 def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
@@ -116,23 +126,24 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
     assert out["num_cached_tokens"] == 0
 
 
-def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(llm, sched, worker,
-                                                                       prompts, references):
+def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(
+    llm, sched, worker, prompts, references
+):
     from semshare_vllm.core.keys import DonorKey, donor_id_for
 
     out = run(llm, prompts["gone_a"])
     key = DonorKey("", donor_id_for("", prompts["gone_a"] + out["token_ids"][:-1]))
     donor_ready(llm, sched, worker, prompts["c"])
     assert key in sched.index and key in worker.kv.store
-    worker.kv.store.drop(key)           # the worker lost it; the scheduler does not know yet
+    worker.kv.store.drop(key)  # the worker lost it; the scheduler does not know yet
     failures = worker.stats.totals.get("load_failures", 0)
     hits = sched.stats.totals.get("semantic_hits", 0)
     got = run(llm, prompts["gone_b"])
-    assert sched.stats.totals["semantic_hits"] == hits + 1       # planned and claimed...
-    assert worker.stats.totals["load_failures"] == failures + 1   # ...the load failed...
+    assert sched.stats.totals["semantic_hits"] == hits + 1  # planned and claimed...
+    assert worker.stats.totals["load_failures"] == failures + 1  # ...the load failed...
     assert got["token_ids"] == references["gone_b"]["token_ids"]  # ...and vLLM computed it
-    run(llm, prompts["c"])                                         # the report comes back
-    assert key not in sched.index                                  # forgotten
+    run(llm, prompts["c"])  # the report comes back
+    assert key not in sched.index  # forgotten
 
 
 def score(llm, prompt: list[int], limit: int | None = None, salt: str | None = None):
@@ -143,9 +154,11 @@ def score(llm, prompt: list[int], limit: int | None = None, salt: str | None = N
     request = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    out = llm.generate([request],
-                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
-                                      extra_args=extra), use_tqdm=False)[0]
+    out = llm.generate(
+        [request],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=extra),
+        use_tqdm=False,
+    )[0]
     rows = out.prompt_logprobs[1:]
     return [(row[tok].logprob, row[tok].rank) for row, tok in zip(rows, prompt[1:])]
 
@@ -157,8 +170,10 @@ def test_a_continuation_is_scored_after_a_reused_prompt(llm, sched, worker, prom
     run(llm, prompts["a"])
     donor_ready(llm, sched, worker, prompts["c"])
     head = prompts["b"]
-    continuation = tok(" The article describes the history of the subject and its most "
-                       "important events.", add_special_tokens=False)["input_ids"]
+    continuation = tok(
+        " The article describes the history of the subject and its most important events.",
+        add_special_tokens=False,
+    )["input_ids"]
     full = head + continuation
     # no limit: vLLM computes everything (another tenant: this exact prompt is no donor for ours)
     cold = score(llm, full, salt="scoring-cold")
@@ -166,14 +181,15 @@ def test_a_continuation_is_scored_after_a_reused_prompt(llm, sched, worker, prom
     hit = score(llm, full, limit=len(head) - 1)
     after = totals(sched, worker)
     claimed = after["hit_tokens"] - before.get("hit_tokens", 0)
-    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1, \
-        {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1, {
+        k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)
+    }
     assert 0.7 * len(head) <= claimed <= len(head) - 1
-    assert {rank for _, rank in hit[:claimed - 1]} == {0}            # served: marked
-    assert all(rank >= 1 for _, rank in hit[len(head) - 1:])         # scored by vLLM
-    tail_hit = [lp for lp, _ in hit[len(head) - 1:]]
-    tail_cold = [lp for lp, _ in cold[len(head) - 1:]]
+    assert {rank for _, rank in hit[: claimed - 1]} == {0}  # served: marked
+    assert all(rank >= 1 for _, rank in hit[len(head) - 1 :])  # scored by vLLM
+    tail_hit = [lp for lp, _ in hit[len(head) - 1 :]]
+    tail_cold = [lp for lp, _ in cold[len(head) - 1 :]]
     assert len(tail_hit) == len(continuation)
     ratio = math.exp((sum(tail_cold) - sum(tail_hit)) / len(continuation))
-    assert 0.8 < ratio < 1.25, ratio               # perplexity hit / cold
+    assert 0.8 < ratio < 1.25, ratio  # perplexity hit / cold
     assert all(rank >= 1 for _, rank in cold)

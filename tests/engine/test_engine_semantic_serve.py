@@ -17,8 +17,10 @@ pytestmark = pytest.mark.engine
 
 ARGS = ["--block-size", "32", "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
 HEAD_A = "Read the article below and answer the question after it.\n\n"
-HEAD_B = ("You are a careful assistant. The following text comes from an encyclopedia; read "
-          "all of it before you answer, and answer in one short sentence.\n\n")
+HEAD_B = (
+    "You are a careful assistant. The following text comes from an encyclopedia; read "
+    "all of it before you answer, and answer in one short sentence.\n\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +33,7 @@ def cases():
         "donor": HEAD_A + doc + "\n\nQuestion: What is this article about? Answer:",
         "target": HEAD_B + doc + "\n\nQuestion: Who or what is the subject? Answer:",
         "rag_donor": P.DONOR_HEADERS[0] + "\n\n".join(rag) + "\n\n" + P.DONOR_QUESTIONS[0],
-        "rag_target": P.TARGET_HEADERS[0] + "\n\n".join(rag[::-1]) + "\n\n"
-        + P.TARGET_QUESTIONS[0],
+        "rag_target": P.TARGET_HEADERS[0] + "\n\n".join(rag[::-1]) + "\n\n" + P.TARGET_QUESTIONS[0],
         "unrelated": wiki_document(1600, 2000) + "\n\nSummary:",
         # the same passages behind other questions, each with an answer they state
         "fact_donor": P.fact_prompt(facts, P.FACT_QUESTIONS[0][0]),
@@ -44,8 +45,9 @@ def cases():
 def cold(model, cases, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "cold.log"
     with VllmServer(model, None, ARGS, log) as srv:
-        out = {name: srv.complete(cases[name], max_tokens=12).text
-               for name in ("target", "rag_target")}
+        out = {
+            name: srv.complete(cases[name], max_tokens=12).text for name in ("target", "rag_target")
+        }
         out["facts"] = [srv.complete(p, max_tokens=8).text for p, _ in cases["fact_targets"]]
     # the set's premise: computed cold, the model answers each question right
     assert all(a in text for (_, a), text in zip(cases["fact_targets"], out["facts"])), out
@@ -54,8 +56,10 @@ def cold(model, cases, tmp_path_factory):
 
 def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
-    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "1GiB",
-                                                    "lookup_deadline_ms": 20000})
+    cfg = dict(
+        SEMSHARE,
+        kv_connector_extra_config={"host_store_bytes": "1GiB", "lookup_deadline_ms": 20000},
+    )
     with VllmServer(model, cfg, ARGS, tmp_path / "serve.log") as srv:
         srv.complete(cases["donor"], max_tokens=4)
         srv.complete(cases["rag_donor"], max_tokens=4)
@@ -64,8 +68,7 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
 
         # another tenant, and a client opting out: no reuse at all
         other = srv.complete(cases["target"], max_tokens=12, cache_salt="tenant-b")
-        off = srv.complete(cases["target"], max_tokens=12,
-                           kv_transfer_params={"semshare": "off"})
+        off = srv.complete(cases["target"], max_tokens=12, kv_transfer_params={"semshare": "off"})
         assert other.cached_tokens == 0 and off.cached_tokens == 0
         assert srv.connector_stats().get("semantic_hits", 0) == 0
 
@@ -81,8 +84,7 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         # benchmarks/semantic_ttft.py reports ROUGE-L over pairs.)
         assert hit.text.split()[:1] == cold["target"].split()[:1]
         assert rag.text.split()[:1] == cold["rag_target"].split()[:1]
-        assert max(rouge_l(hit.text, cold["target"]), rouge_l(rag.text, cold["rag_target"])) \
-            >= 0.8
+        assert max(rouge_l(hit.text, cold["target"]), rouge_l(rag.text, cold["rag_target"])) >= 0.8
 
         # same passages, another question: each hit answers its own question (the donor
         # asked who wrote Candide)
@@ -93,8 +95,9 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         srv.wait_for_stat("semantic_hits", 2 + len(cases["fact_targets"]), timeout_s=180)
 
         # 64 concurrent requests, hits and misses mixed: all complete, none fails
-        prompts = [cases["target"] if i % 2 else wiki_document(2000 + 37 * i, 600)
-                   for i in range(64)]
+        prompts = [
+            cases["target"] if i % 2 else wiki_document(2000 + 37 * i, 600) for i in range(64)
+        ]
         with ThreadPoolExecutor(16) as pool:
             outs = list(pool.map(lambda p: srv.complete(p, max_tokens=8), prompts))
         assert all(len(o.text) > 0 and o.prompt_tokens for o in outs)

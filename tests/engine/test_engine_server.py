@@ -33,8 +33,10 @@ def cold(model, tmp_path_factory):
 
 
 def semshare_server(model, persist_dir, log):
-    cfg = dict(SEMSHARE, kv_connector_extra_config={"persist_dir": str(persist_dir),
-                                                    "host_store_bytes": "512MiB"})
+    cfg = dict(
+        SEMSHARE,
+        kv_connector_extra_config={"persist_dir": str(persist_dir), "host_store_bytes": "512MiB"},
+    )
     return VllmServer(model, cfg, ARGS, log)
 
 
@@ -63,8 +65,9 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         other = srv.complete(DOCS["kept"] + Q2, cache_salt="another-tenant")
         assert other.cached_tokens == 0 and other.text == cold["kept"]
         metrics = srv.metrics()
-        external = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics,
-                             re.M)
+        external = re.search(
+            r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M
+        )
         assert external and float(external.group(1)) >= hit.cached_tokens
         files = wait_for_files(persist, 3, srv)  # kept, cut, and the hit request itself
 
@@ -87,25 +90,27 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         assert "skipping persisted donor" in srv.log_text()
 
 
-
-
 def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, monkeypatch):
     """The same article behind another instruction, sent as a chat turn (no common prefix): the
     donor is found by the embedder, off the scheduler thread, in the request's own namespace
     only; the request itself is computed as usual (nothing exact to reuse)."""
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
-    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "512MiB",
-                                                    "lookup_deadline_ms": 5000})
+    cfg = dict(
+        SEMSHARE,
+        kv_connector_extra_config={"host_store_bytes": "512MiB", "lookup_deadline_ms": 5000},
+    )
     article = DOCS["kept"]
     with VllmServer(model, cfg, ARGS, tmp_path / "discovery.log") as srv:
-        srv.complete(article + Q1)                                   # becomes the donor
+        srv.complete(article + Q1)  # becomes the donor
         srv.wait_for_stat("donors_embedded", 1)
         # Through the chat API: the template wraps it, the embedder reads the detokenised ids.
         srv.chat("Read the article below, then do as asked.\n\n" + article + Q2)
         srv.wait_for_stat("semantic_found", 1)
-        srv.chat("Read the article below, then do as asked.\n\n" + article + Q2,
-                 cache_salt="another-tenant")                        # no donors there: no search
-        srv.complete(wiki_document(5000, 1500) + Q2)                 # unrelated: searched, none
+        srv.chat(
+            "Read the article below, then do as asked.\n\n" + article + Q2,
+            cache_salt="another-tenant",
+        )  # no donors there: no search
+        srv.complete(wiki_document(5000, 1500) + Q2)  # unrelated: searched, none
         srv.wait_for_stat("semantic_misses", 1)
         stats = srv.connector_stats()
     assert stats["semantic_found"] == 1 and stats["semantic_misses"] == 1
@@ -116,8 +121,11 @@ def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, m
 def test_bad_config_stops_startup_naming_the_key(model, tmp_path):
     """No module path: the name resolves through our vllm.general_plugins entry point; the typo'd
     key then stops start-up with one error that names it."""
-    cfg = {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"host_store_byte": "1GiB"}}
+    cfg = {
+        "kv_connector": "SemShareConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_store_byte": "1GiB"},
+    }
     srv = VllmServer(model, cfg, ARGS, tmp_path / "bad.log")
     with pytest.raises(RuntimeError, match="exited"):
         srv.start(timeout_s=300)
@@ -131,8 +139,10 @@ def test_serve_reaches_the_model_and_recomputes(model, cold, tmp_path, monkeypat
     connector: with recompute_policy "all", a hit's loaded tokens are recomputed through it
     (counted), and the answer is still vLLM's own."""
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
-    cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "512MiB",
-                                                    "recompute_policy": "all"})
+    cfg = dict(
+        SEMSHARE,
+        kv_connector_extra_config={"host_store_bytes": "512MiB", "recompute_policy": "all"},
+    )
     with VllmServer(model, cfg, ARGS, tmp_path / "recompute.log") as srv:
         srv.complete(DOCS["kept"] + Q1)
         hit = srv.complete(DOCS["kept"] + Q2)
@@ -169,11 +179,16 @@ def test_prompt_embeddings_are_never_served_another_inputs_kv(model, tmp_path, m
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
     hidden = json.loads((models.tiny_llama() / "config.json").read_text())["hidden_size"]
     cfg = dict(SEMSHARE, kv_connector_extra_config={"host_store_bytes": "256MiB"})
-    with VllmServer(model, cfg, ARGS + ["--enable-prompt-embeds"],
-                    tmp_path / "embeds.log") as srv:
+    with VllmServer(model, cfg, ARGS + ["--enable-prompt-embeds"], tmp_path / "embeds.log") as srv:
+
         def complete(seed, kv=None):
-            body = {"model": srv.served_name, "prompt_embeds": _embeds_b64(seed, 320, hidden),
-                    "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+            body = {
+                "model": srv.served_name,
+                "prompt_embeds": _embeds_b64(seed, 320, hidden),
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
             if kv is not None:
                 body["kv_transfer_params"] = kv
             resp = requests.post(srv.url + "/v1/completions", json=body, timeout=300)
@@ -184,7 +199,7 @@ def test_prompt_embeddings_are_never_served_another_inputs_kv(model, tmp_path, m
 
         for first, second in ((1, 2), (3, 4)):
             complete(first)
-            srv.complete("ping " * 3, max_tokens=1)      # a step: a captured donor is ready
+            srv.complete("ping " * 3, max_tokens=1)  # a step: a captured donor is ready
             text, cached = complete(second)
             cold, _ = complete(second, kv={"semshare": "off"})
             assert cached == 0 and text == cold
@@ -193,8 +208,7 @@ def test_prompt_embeddings_are_never_served_another_inputs_kv(model, tmp_path, m
     assert "hits" not in stats and "donors_registered" not in stats
 
 
-def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_path,
-                                                                     monkeypatch):
+def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_path, monkeypatch):
     """`vllm serve` with persist_dir is killed (SIGKILL, the whole process group) as soon as the
     first donor file lands, while other donors are being captured and written; beside what that
     leaves, a partial file of the killed writer is planted (its pid, half a donor's bytes), so the

@@ -15,8 +15,16 @@ pytestmark = pytest.mark.engine
 
 Q1 = "\n\nQuestion: What is the text above about? Answer:"
 Q2 = "\n\nSummarize the passage above in one sentence:"
-DOCS = {name: wiki_document(start, 900) for name, start in
-        [("shared", 300), ("unseen", 700), ("outage", 1100), ("after", 1500), ("forged", 1900)]}
+DOCS = {
+    name: wiki_document(start, 900)
+    for name, start in [
+        ("shared", 300),
+        ("unseen", 700),
+        ("outage", 1100),
+        ("after", 1500),
+        ("forged", 1900),
+    ]
+}
 ARGS = ["--block-size", "32", "--max-num-seqs", "4"]
 SECRET = "engine-test-secret"
 
@@ -30,10 +38,15 @@ def cold(model, tmp_path_factory):
 
 
 def shared_server(model, redis_url, log):
-    extra = {"host_store_bytes": "512MiB", "kv_tier": "lmcache",
-             "lmcache_local_cpu_bytes": "256MiB", "lmcache_remote_url": redis_url,
-             "shared_index_url": redis_url, "shared_index_secret": SECRET,
-             "lookup_deadline_ms": 5000}
+    extra = {
+        "host_store_bytes": "512MiB",
+        "kv_tier": "lmcache",
+        "lmcache_local_cpu_bytes": "256MiB",
+        "lmcache_remote_url": redis_url,
+        "shared_index_url": redis_url,
+        "shared_index_secret": SECRET,
+        "lookup_deadline_ms": 5000,
+    }
     return VllmServer(model, dict(SEMSHARE, kv_connector_extra_config=extra), ARGS, log)
 
 
@@ -52,7 +65,7 @@ def forge_record(model, redis_url, prompt):
     record = SharedDonor("", donor_id_for("", tokens), tokens, len(tokens))
     client = redis_py.Redis.from_url(redis_url)
     try:
-        stream, = client.scan_iter(match="semshare:donors:*", _type="stream")
+        (stream,) = client.scan_iter(match="semshare:donors:*", _type="stream")
         fingerprint = stream.decode().rsplit(":", 1)[1]
         marks = KVReadyMarks(redis_url, fingerprint, 0, SECRET)
         marks.mark(record.donor_id, "0" * 64)
@@ -64,11 +77,13 @@ def forge_record(model, redis_url, prompt):
 
 def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")   # two engines on one machine
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # two engines on one machine
     redis = RedisServer().start()
     try:
-        with shared_server(model, redis.url, tmp_path / "a.log") as a, \
-                shared_server(model, redis.url, tmp_path / "b.log") as b:
+        with (
+            shared_server(model, redis.url, tmp_path / "a.log") as a,
+            shared_server(model, redis.url, tmp_path / "b.log") as b,
+        ):
             # A serves the donor; its KV goes to Redis, its record to the stream; B adds it.
             # Only B is kept stepping: idle, A still announces it.
             assert a.complete(DOCS["shared"] + Q1).cached_tokens == 0
@@ -76,7 +91,7 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             hit = b.complete(DOCS["shared"] + Q2)
             assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
             assert hit.text == cold["shared"]
-            b.wait_for_stat("tier_fetches", 1)          # fetched from LMCache + Redis
+            b.wait_for_stat("tier_fetches", 1)  # fetched from LMCache + Redis
 
             # A forged record is dropped, counted, and never serves a request.
             forge_record(model, redis.url, DOCS["forged"] + Q1)
@@ -93,13 +108,13 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             a.complete(DOCS["unseen"] + Q1)
             b.wait_for_stat("donors_shared_in", 2)
             redis.stop()
-            lost = b.complete(DOCS["unseen"] + Q2)       # its KV is unreachable: computed
+            lost = b.complete(DOCS["unseen"] + Q2)  # its KV is unreachable: computed
             assert lost.text == cold["unseen"]
             b.wait_for_stat("load_failures", 1)
-            kept = b.complete(DOCS["shared"] + Q2)       # already in B's host store: still a hit
+            kept = b.complete(DOCS["shared"] + Q2)  # already in B's host store: still a hit
             assert kept.cached_tokens >= 0.8 * kept.prompt_tokens
             assert kept.text == cold["shared"]
-            a.complete(DOCS["outage"] + Q1)              # captured locally; not shared
+            a.complete(DOCS["outage"] + Q1)  # captured locally; not shared
             alone = b.complete(DOCS["outage"] + Q2)
             assert alone.cached_tokens == 0 and alone.text == cold["outage"]
             a.wait_for_stat("tier_put_failures", 1)
@@ -113,12 +128,12 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             back = b.complete(DOCS["after"] + Q2)
             assert back.cached_tokens >= 0.8 * back.prompt_tokens
             assert back.text == cold["after"]
-            b.wait_for_stat("tier_fetches", 2)          # its stats line may still be due
+            b.wait_for_stat("tier_fetches", 2)  # its stats line may still be due
             stats_a, stats_b = a.connector_stats(), b.connector_stats()
             logs = a.log_text() + b.log_text()
     finally:
         redis.stop()
     assert "fallbacks" not in stats_a and "fallbacks" not in stats_b
     assert stats_b["tier_fetches"] == 2 and "tier_fetches" not in stats_a
-    assert "tier_digest_mismatches" not in stats_b     # the real donors' KV matched its digests
+    assert "tier_digest_mismatches" not in stats_b  # the real donors' KV matched its digests
     assert logs.count("is back") == 2 and "Traceback" not in logs

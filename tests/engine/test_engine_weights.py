@@ -23,9 +23,13 @@ MAX_TOKENS = 8
 def lifetime(model, persist_dir, tmp_path, **job):
     path = tmp_path / "job.json"
     path.write_text(json.dumps(dict(job, max_tokens=MAX_TOKENS)))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(model), str(persist_dir), str(path)],
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model), str(persist_dir), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -62,7 +66,7 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
 
     first = lifetime(model, persist, tmp_path, prompt=a, capture=True, filler=ids("x " * 40))
     assert first["restored"] == 0 and first["worker"]["captured_donors"] >= 1
-    same = lifetime(model, persist, tmp_path, prompt=b)      # control: same weights, restart
+    same = lifetime(model, persist, tmp_path, prompt=b)  # control: same weights, restart
     assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0
     assert same["fingerprint"] == first["fingerprint"]
 

@@ -12,17 +12,30 @@ LAYERS = ("l0", "l1")
 
 
 def geometry(**kw):
-    base = dict(layer_names=LAYERS, block_size=BS, num_kv_heads=2, head_size=8,
-                dtype=torch.float32, tp_size=1, fingerprint="fp")
+    base = dict(
+        layer_names=LAYERS,
+        block_size=BS,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.float32,
+        tp_size=1,
+        fingerprint="fp",
+    )
     base.update(kw)
     return KVGeometry(**base)
 
 
 def request(req_id, tokens, salt=None, computed=0, outputs=()):
     all_ids = list(tokens) + list(outputs)
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), all_token_ids=all_ids,
-                           num_tokens=len(all_ids), num_prompt_tokens=len(tokens),
-                           cache_salt=salt, num_computed_tokens=computed)
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(tokens),
+        all_token_ids=all_ids,
+        num_tokens=len(all_ids),
+        num_prompt_tokens=len(tokens),
+        cache_salt=salt,
+        num_computed_tokens=computed,
+    )
 
 
 class Blocks:

@@ -13,7 +13,17 @@ def entries(n, dim=384, seed=0):
     for i in range(n):
         segs = rng.standard_normal((1 + i % 3, dim)).astype(np.float32)
         vec = segs.mean(0) / np.linalg.norm(segs.mean(0))
-        out.append(SnapshotEntry(f"ns{i % 2}", f"donor{i}", DocumentEmbedding(vec, segs, 100 + i),
-                                 (2**64 - 1) - i, hits=i, idle_s=1.5 * i, deviation_reports=i % 4,
-                                 deviation=0.1 * (i % 4), demoted=i == 3))
+        out.append(
+            SnapshotEntry(
+                f"ns{i % 2}",
+                f"donor{i}",
+                DocumentEmbedding(vec, segs, 100 + i),
+                (2**64 - 1) - i,
+                hits=i,
+                idle_s=1.5 * i,
+                deviation_reports=i % 4,
+                deviation=0.1 * (i % 4),
+                demoted=i == 3,
+            )
+        )
     return out

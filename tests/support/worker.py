@@ -15,15 +15,23 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
 def geometry(**kw):
-    base = dict(layer_names=LAYERS, block_size=BS, num_kv_heads=H, head_size=D,
-                dtype=torch.float32, tp_size=1, fingerprint="fp")
+    base = dict(
+        layer_names=LAYERS,
+        block_size=BS,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.float32,
+        tp_size=1,
+        fingerprint="fp",
+    )
     base.update(kw)
     return KVGeometry(**base)
 
 
 def fake_layer(bound):
-    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
-                           kv_cache=bound)
+    return SimpleNamespace(
+        attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"), kv_cache=bound
+    )
 
 
 def caches(kernel_bs=BS):
@@ -31,8 +39,8 @@ def caches(kernel_bs=BS):
     r = BS // kernel_bs
     out = {}
     for name in LAYERS:
-        flat = torch.zeros(BLOCKS, BS, H, 2 * D)                 # LBNHC: a block is one page
-        manager = flat.permute(0, 2, 1, 3)                        # [B, H, N, 2D]
+        flat = torch.zeros(BLOCKS, BS, H, 2 * D)  # LBNHC: a block is one page
+        manager = flat.permute(0, 2, 1, 3)  # [B, H, N, 2D]
         kernel = flat.view(BLOCKS * r, kernel_bs, H, 2 * D).permute(0, 2, 1, 3)
         out[name] = (manager, kernel)
     return out
@@ -44,7 +52,9 @@ def make_worker(monkeypatch, geom=None, config=None, bound=None):
     vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
     # No vLLM distributed state here: rank 0, the pool a stand-in, nothing else is built.
     monkeypatch.setattr(setup.tensor_parallel, "tp_rank", lambda: 0)
-    monkeypatch.setattr(setup, "make_store",
-                        lambda *a: SimpleNamespace(capacity_bytes=1 << 20, close=lambda: None))
-    return SemShareWorker(config or SemShareConfig(recompute_policy="none"), geom or geometry(),
-                          vllm_config)
+    monkeypatch.setattr(
+        setup, "make_store", lambda *a: SimpleNamespace(capacity_bytes=1 << 20, close=lambda: None)
+    )
+    return SemShareWorker(
+        config or SemShareConfig(recompute_policy="none"), geom or geometry(), vllm_config
+    )

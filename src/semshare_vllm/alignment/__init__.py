@@ -13,5 +13,16 @@ from semshare_vllm.alignment.lsh import LshParams, lsh_similarity
 from semshare_vllm.alignment.result import Alignment, MatchKind, Run
 from semshare_vllm.alignment.sentences import SentenceSplitter
 
-__all__ = ["AlignParams", "Alignment", "DonorFeatures", "EmbeddingTable", "EmbeddingUnavailable",
-           "LshParams", "MatchKind", "Run", "SentenceSplitter", "align", "lsh_similarity"]
+__all__ = [
+    "AlignParams",
+    "Alignment",
+    "DonorFeatures",
+    "EmbeddingTable",
+    "EmbeddingUnavailable",
+    "LshParams",
+    "MatchKind",
+    "Run",
+    "SentenceSplitter",
+    "align",
+    "lsh_similarity",
+]

@@ -49,20 +49,30 @@ class AlignParams:
         validated every key: nothing is checked again here."""
         return cls(
             stages=config.stages(),
-            min_run=config.align_min_run, sentence_snap=config.align_sentence_snap,
+            min_run=config.align_min_run,
+            sentence_snap=config.align_sentence_snap,
             edit_min_similarity=config.edit_min_similarity,
             sentence_min_similarity=config.sentence_min_similarity,
-            lsh=LshParams(bits=config.lsh_bits, tables=config.lsh_tables,
-                          max_distance=config.lsh_max_distance,
-                          rope_style=config.lsh_rope_style,
-                          rope_base=config.lsh_rope_base or None))
+            lsh=LshParams(
+                bits=config.lsh_bits,
+                tables=config.lsh_tables,
+                max_distance=config.lsh_max_distance,
+                rope_style=config.lsh_rope_style,
+                rope_base=config.lsh_rope_base or None,
+            ),
+        )
 
 
 class DonorFeatures:
     """The donor's side of an alignment, each part computed once, when first needed."""
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray, table: EmbeddingTable | None = None,
-                 splitter: SentenceSplitter | None = None, lsh: LshParams = LshParams()):
+    def __init__(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        table: EmbeddingTable | None = None,
+        splitter: SentenceSplitter | None = None,
+        lsh: LshParams = LshParams(),
+    ):
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.table, self.splitter, self.lsh = table, splitter, lsh
 
@@ -87,14 +97,16 @@ class DonorFeatures:
 
 
 def _empty(n: int) -> Alignment:
-    return Alignment(np.full(n, -1, dtype=np.int64), np.full(n, MatchKind.NONE, dtype=np.int8),
-                     ())
+    return Alignment(np.full(n, -1, dtype=np.int64), np.full(n, MatchKind.NONE, dtype=np.int8), ())
 
 
-def align(target: Sequence[int] | np.ndarray,
-          donor: Sequence[int] | np.ndarray | DonorFeatures,
-          params: AlignParams = AlignParams(), table: EmbeddingTable | None = None,
-          splitter: SentenceSplitter | None = None) -> Alignment:
+def align(
+    target: Sequence[int] | np.ndarray,
+    donor: Sequence[int] | np.ndarray | DonorFeatures,
+    params: AlignParams = AlignParams(),
+    table: EmbeddingTable | None = None,
+    splitter: SentenceSplitter | None = None,
+) -> Alignment:
     """Align ``target`` to ``donor`` (token ids, or the donor's kept ``DonorFeatures``)."""
     if not isinstance(donor, DonorFeatures):
         donor = DonorFeatures(donor, table, splitter, params.lsh)
@@ -104,8 +116,9 @@ def align(target: Sequence[int] | np.ndarray,
     d = donor.tokens
     if "exact" in params.stages:
         starts = splitter.start_mask(t) if splitter is not None else None
-        result = align_exact(t, d, params.min_run, sentence_starts=starts,
-                             snap=params.sentence_snap)
+        result = align_exact(
+            t, d, params.min_run, sentence_starts=starts, snap=params.sentence_snap
+        )
     else:
         result = _empty(len(t))
     builder = AlignmentBuilder(result)
@@ -116,8 +129,17 @@ def align(target: Sequence[int] | np.ndarray,
             edit_stage(builder, t, d, params.edit_min_similarity)
         elif stage == "sentence" and table is not None and splitter is not None:
             starts, vectors = donor.sentences
-            sentence_stage(builder, t, d, starts, vectors, table, splitter,
-                           params.sentence_min_similarity, params.edit_min_similarity)
+            sentence_stage(
+                builder,
+                t,
+                d,
+                starts,
+                vectors,
+                table,
+                splitter,
+                params.sentence_min_similarity,
+                params.edit_min_similarity,
+            )
         elif stage == "lsh" and table is not None:
             lsh_stage(builder, t, d, table, params.lsh, donor.codes)
     return builder.build()

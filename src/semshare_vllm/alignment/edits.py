@@ -19,14 +19,17 @@ from semshare_vllm.alignment.result import AlignmentBuilder, MatchKind, Run
 MAX_CELLS = 16_000_000
 
 
-def edit_map(t_seg: np.ndarray, d_seg: np.ndarray,
-             min_similarity: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def edit_map(
+    t_seg: np.ndarray, d_seg: np.ndarray, min_similarity: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(target index, donor index, is_equal) inside two segments, or None when the segments'
     normalised Levenshtein similarity is below ``min_similarity``."""
     a, b = t_seg.tolist(), d_seg.tolist()
     # under the cutoff rapidfuzz returns 0 (and stops early)
-    if min_similarity > 0 and Levenshtein.normalized_similarity(
-            a, b, score_cutoff=min_similarity) == 0.0:
+    if (
+        min_similarity > 0
+        and Levenshtein.normalized_similarity(a, b, score_cutoff=min_similarity) == 0.0
+    ):
         return None
     ts, ds, eq = [], [], []
     for op in Levenshtein.opcodes(a, b):
@@ -41,8 +44,13 @@ def edit_map(t_seg: np.ndarray, d_seg: np.ndarray,
     return np.concatenate(ts), np.concatenate(ds), np.concatenate(eq)
 
 
-def take_edit_map(builder: AlignmentBuilder, stage: str, t0: int, d0: int,
-                  mapping: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+def take_edit_map(
+    builder: AlignmentBuilder,
+    stage: str,
+    t0: int,
+    d0: int,
+    mapping: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> int:
     """Apply an ``edit_map`` of segments starting at target ``t0`` / donor ``d0``; equal pieces
     also become runs (the recompute policy repairs the first tokens of every run)."""
     ti, di, eq = mapping
@@ -65,16 +73,17 @@ def gaps(free: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def edit_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
-               min_similarity: float) -> int:
+def edit_stage(
+    builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray, min_similarity: float
+) -> int:
     """Edit-align every target gap with its donor counterpart (module docstring)."""
     n, m = len(target), len(donor)
     pos = builder.donor_pos
     taken = 0
     for a, b in gaps(builder.free):
         width = b - a
-        left = pos[a - 1] + 1 if a > 0 else None       # donor right after the left neighbour
-        right = pos[b] if b < n else None              # donor at the right neighbour
+        left = pos[a - 1] + 1 if a > 0 else None  # donor right after the left neighbour
+        right = pos[b] if b < n else None  # donor at the right neighbour
         if left is not None and right is not None:
             if not left <= right <= left + 2 * width + 32:
                 continue  # the neighbours are not consecutive in the donor: no counterpart

@@ -20,8 +20,12 @@ from pathlib import Path
 import numpy as np
 
 # Names the input embedding goes by in Llama / Mistral / Qwen / Gemma, GPT-2 / NeoX, BLOOM.
-_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "embed_in.weight",
-                    "word_embeddings.weight")
+_EMBEDDING_NAMES = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "embed_in.weight",
+    "word_embeddings.weight",
+)
 # Keep the whole matrix (fp32) up to this many elements (SmolLM2: 28M); sketch beyond.
 FULL_MATRIX_MAX = 64_000_000
 DEFAULT_SKETCH_DIM = 256
@@ -35,9 +39,9 @@ class EmbeddingUnavailable(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class EmbeddingTable:
-    vectors: np.ndarray        # [vocab, dim] float32 (the embedding rows, or their sketch)
+    vectors: np.ndarray  # [vocab, dim] float32 (the embedding rows, or their sketch)
     sketched: bool
-    rope_base: float           # the model's rotary base (config.json), for RoPE on E
+    rope_base: float  # the model's rotary base (config.json), for RoPE on E
 
     @property
     def dim(self) -> int:
@@ -65,8 +69,10 @@ class EmbeddingTable:
         -1 (the config's ``embedding_sketch_dim`` default) = the full matrix up to
         ``FULL_MATRIX_MAX`` elements, a sketch of ``DEFAULT_SKETCH_DIM`` dims beyond; 0 = always
         full; n = always a sketch of n dims."""
-        return _load(str(Path(model_dir).resolve()),
-                     None if sketch_dim is None or sketch_dim < 0 else sketch_dim)
+        return _load(
+            str(Path(model_dir).resolve()),
+            None if sketch_dim is None or sketch_dim < 0 else sketch_dim,
+        )
 
 
 _lock = threading.Lock()
@@ -91,15 +97,18 @@ def _load_cached(model_dir: str, sketch_dim: int | None) -> EmbeddingTable:
                 vectors = _to_f32(sl[:])
             else:  # project slice by slice: never the whole matrix in fp32
                 proj = np.random.default_rng(0).standard_normal((dim, sketch_dim)).astype(
-                    np.float32) / np.sqrt(sketch_dim)
+                    np.float32
+                ) / np.sqrt(sketch_dim)
                 vectors = np.empty((vocab, sketch_dim), dtype=np.float32)
                 for a in range(0, vocab, _SLICE_ROWS):
                     b = min(vocab, a + _SLICE_ROWS)
                     vectors[a:b] = _to_f32(sl[a:b]) @ proj
-            return EmbeddingTable(np.ascontiguousarray(vectors), 0 < sketch_dim < dim,
-                                  _rope_base(root))
-    raise EmbeddingUnavailable(f"no input-embedding tensor in {model_dir} "
-                               f"({len(files)} safetensors files)")
+            return EmbeddingTable(
+                np.ascontiguousarray(vectors), 0 < sketch_dim < dim, _rope_base(root)
+            )
+    raise EmbeddingUnavailable(
+        f"no input-embedding tensor in {model_dir} ({len(files)} safetensors files)"
+    )
 
 
 def _load(model_dir: str, sketch_dim: int | None) -> EmbeddingTable:

@@ -38,12 +38,16 @@ def _gram_hashes(tokens: np.ndarray, k: int) -> np.ndarray:
     t = tokens.astype(np.uint64)
     with np.errstate(over="ignore"):
         for r in range(k):
-            h = h * _PRIME + t[r:r + n]
+            h = h * _PRIME + t[r : r + n]
     return h
 
 
-def find_runs(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.ndarray,
-              min_len: int = MIN_RUN, max_occurrences: int = MAX_OCCURRENCES) -> list[Run]:
+def find_runs(
+    target: Sequence[int] | np.ndarray,
+    donor: Sequence[int] | np.ndarray,
+    min_len: int = MIN_RUN,
+    max_occurrences: int = MAX_OCCURRENCES,
+) -> list[Run]:
     """Every maximal run of >= ``min_len`` identical tokens, in (offset, target) order."""
     t = np.asarray(target, dtype=np.int64)
     d = np.asarray(donor, dtype=np.int64)
@@ -70,14 +74,19 @@ def find_runs(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.ndar
     runs = []
     for t0, t1, off in zip(ti[first].tolist(), ti[last].tolist(), diag[first].tolist()):
         length = t1 - t0 + k
-        if np.array_equal(t[t0:t0 + length], d[t0 + off:t0 + off + length]):
+        if np.array_equal(t[t0 : t0 + length], d[t0 + off : t0 + off + length]):
             runs.append(Run(t0, t0 + off, length))
     return runs
 
 
-def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.ndarray,
-                min_len: int = MIN_RUN, max_occurrences: int = MAX_OCCURRENCES,
-                sentence_starts: np.ndarray | None = None, snap: int = 0) -> Alignment:
+def align_exact(
+    target: Sequence[int] | np.ndarray,
+    donor: Sequence[int] | np.ndarray,
+    min_len: int = MIN_RUN,
+    max_occurrences: int = MAX_OCCURRENCES,
+    sentence_starts: np.ndarray | None = None,
+    snap: int = 0,
+) -> Alignment:
     """Runs of at least ``min_len`` tokens, longest first (module docstring).
 
     With ``sentence_starts`` (bool per target position) and ``snap`` > 0, a run that begins or
@@ -86,7 +95,7 @@ def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.nd
     later stages keeps runs whole sentences."""
     n = len(target)
     donor_pos = np.full(n, -1, dtype=np.int64)
-    offset_at = np.zeros(n, dtype=np.int64)      # offset of the run each position took
+    offset_at = np.zeros(n, dtype=np.int64)  # offset of the run each position took
     taken = np.zeros(n, dtype=bool)
     used: list[Run] = []
     runs = find_runs(target, donor, min_len, max_occurrences)
@@ -95,44 +104,51 @@ def align_exact(target: Sequence[int] | np.ndarray, donor: Sequence[int] | np.nd
     for run in runs:
         groups.setdefault((run.length, run.target_start), []).append(run)
     for (length, start), options in sorted(groups.items(), key=lambda g: (-g[0][0], g[0][1])):
-        run = options[0] if len(options) == 1 else _closest(options, start, length, taken,
-                                                             offset_at)
-        for seg_start, seg_len in _free_segments(taken[start:start + length]):
+        run = (
+            options[0] if len(options) == 1 else _closest(options, start, length, taken, offset_at)
+        )
+        for seg_start, seg_len in _free_segments(taken[start : start + length]):
             s = start + seg_start
             if sentence_starts is not None and snap > 0:
                 cut_s, cut_e = _snap(sentence_starts, s, s + seg_len, snap)
                 seg_start, seg_len, s = seg_start + cut_s - s, cut_e - cut_s, cut_s
             if seg_len < min_len:
                 continue
-            donor_pos[s:s + seg_len] = np.arange(run.donor_start + seg_start,
-                                                 run.donor_start + seg_start + seg_len)
-            offset_at[s:s + seg_len] = run.offset
-            taken[s:s + seg_len] = True
+            donor_pos[s : s + seg_len] = np.arange(
+                run.donor_start + seg_start, run.donor_start + seg_start + seg_len
+            )
+            offset_at[s : s + seg_len] = run.offset
+            taken[s : s + seg_len] = True
             used.append(Run(s, run.donor_start + seg_start, seg_len))
     kind = np.where(taken, MatchKind.EXACT, MatchKind.NONE).astype(np.int8)
-    return Alignment(donor_pos, kind, tuple(sorted(used, key=lambda r: r.target_start)),
-                     {"exact": int(taken.sum())})
+    return Alignment(
+        donor_pos,
+        kind,
+        tuple(sorted(used, key=lambda r: r.target_start)),
+        {"exact": int(taken.sum())},
+    )
 
 
 def _snap(starts: np.ndarray, begin: int, end: int, snap: int) -> tuple[int, int]:
     """``[begin, end)`` with a short head / tail across a sentence boundary cut off."""
     if not starts[begin]:
-        ahead = np.flatnonzero(starts[begin + 1:min(end, begin + snap + 1)])
+        ahead = np.flatnonzero(starts[begin + 1 : min(end, begin + snap + 1)])
         if len(ahead):
             begin += 1 + int(ahead[0])
     if end < len(starts) and not starts[end]:
-        behind = np.flatnonzero(starts[max(begin + 1, end - snap):end])
+        behind = np.flatnonzero(starts[max(begin + 1, end - snap) : end])
         if len(behind):
             end = max(begin + 1, end - snap) + int(behind[-1])
     return begin, end
 
 
-def _closest(options: list[Run], start: int, length: int, taken: np.ndarray,
-             offset_at: np.ndarray) -> Run:
+def _closest(
+    options: list[Run], start: int, length: int, taken: np.ndarray, offset_at: np.ndarray
+) -> Run:
     """The option whose offset is nearest the nearest aligned neighbour's (left, else right);
     with no neighbour yet, the earliest donor place."""
     left = np.flatnonzero(taken[:start])
-    right = np.flatnonzero(taken[start + length:])
+    right = np.flatnonzero(taken[start + length :])
     if len(left):
         ref = offset_at[left[-1]]
     elif len(right):

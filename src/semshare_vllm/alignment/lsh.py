@@ -34,14 +34,14 @@ from semshare_vllm.config.alignment import check_lsh
 
 @dataclass(frozen=True)
 class LshParams:
-    bits: int = 32              # hyperplanes per table (max_dist = 30 suggests ~32-bit codes)
-    tables: int = 2             # independent tables, distances summed
+    bits: int = 32  # hyperplanes per table (max_dist = 30 suggests ~32-bit codes)
+    tables: int = 2  # independent tables, distances summed
     seed: int = 1234
-    rope_style: str = "neox"    # "neox" (vLLM's Llama/Qwen/Mistral), "gptj" (paper eq. 1), "none"
-    rope_base: float | None = None   # None: the model's rope_theta
+    rope_style: str = "neox"  # "neox" (vLLM's Llama/Qwen/Mistral), "gptj" (paper eq. 1), "none"
+    rope_base: float | None = None  # None: the model's rope_theta
     max_distance: float = 0.25  # accept a fuzzy match up to this fraction of differing bits
-    candidates: int = 1         # nearest codes examined; > 1 breaks ties by predicted position
-    min_dist: float = 0.0       # appendix A.3 normalisation, per table
+    candidates: int = 1  # nearest codes examined; > 1 breaks ties by predicted position
+    min_dist: float = 0.0  # appendix A.3 normalisation, per table
     max_dist: float = 30.0
 
     def __post_init__(self):
@@ -54,8 +54,9 @@ class LshParams:
         return self.bits * self.tables
 
 
-def rope_rotate(vectors: torch.Tensor, positions: np.ndarray, base: float,
-                style: str = "neox") -> torch.Tensor:
+def rope_rotate(
+    vectors: torch.Tensor, positions: np.ndarray, base: float, style: str = "neox"
+) -> torch.Tensor:
     """RoPE over the whole vector (pairs across all dims), angle ``pos * base**(-2i/dim)``."""
     if style == "none":
         return vectors
@@ -69,9 +70,12 @@ def rope_rotate(vectors: torch.Tensor, positions: np.ndarray, base: float,
     else:
         cos, sin = _cos_sin(base, dim, length)
         first = int(positions[0]) if len(positions) else 0
-        if len(positions) and positions[-1] - first == len(positions) - 1 and (
-                np.diff(positions) == 1).all():
-            cos, sin = cos[first:first + len(positions)], sin[first:first + len(positions)]
+        if (
+            len(positions)
+            and positions[-1] - first == len(positions) - 1
+            and (np.diff(positions) == 1).all()
+        ):
+            cos, sin = cos[first : first + len(positions)], sin[first : first + len(positions)]
         else:
             pos = torch.from_numpy(positions)
             cos, sin = cos[pos], sin[pos]
@@ -138,8 +142,11 @@ def lsh_similarity(table: EmbeddingTable, target, donor, params: LshParams = Lsh
     t, d = np.asarray(target), np.asarray(donor)
     if not len(t) or not len(d):
         return 0.0
-    dist, _ = nearest(lsh_codes(table, t, np.arange(len(t)), params),
-                      lsh_codes(table, d, np.arange(len(d)), params), 1)
+    dist, _ = nearest(
+        lsh_codes(table, t, np.arange(len(t)), params),
+        lsh_codes(table, d, np.arange(len(d)), params),
+        1,
+    )
     lsh_dist = float(dist[:, 0].mean()) / params.tables
     norm = (lsh_dist - params.min_dist) / (params.max_dist - params.min_dist)
     return float(np.clip(1.0 - norm, 0.0, 1.0))
@@ -159,9 +166,14 @@ def expected_donor_pos(donor_pos: np.ndarray, targets: np.ndarray, donor_len: in
     return np.clip(targets + donor_pos[ref] - ref, 0, donor_len - 1)
 
 
-def lsh_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
-              table: EmbeddingTable, params: LshParams,
-              donor_codes: np.ndarray | None = None) -> int:
+def lsh_stage(
+    builder: AlignmentBuilder,
+    target: np.ndarray,
+    donor: np.ndarray,
+    table: EmbeddingTable,
+    params: LshParams,
+    donor_codes: np.ndarray | None = None,
+) -> int:
     """Map every still-free target token to its nearest donor token (within ``max_distance``).
     ``donor_codes`` (from ``lsh_codes`` at the donor's own positions) may be passed in cached."""
     free = np.flatnonzero(builder.free)
@@ -169,8 +181,9 @@ def lsh_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
         return 0
     if donor_codes is None:
         donor_codes = lsh_codes(table, donor, np.arange(len(donor)), params)
-    dist, idx = nearest(lsh_codes(table, target[free], free, params), donor_codes,
-                        params.candidates)
+    dist, idx = nearest(
+        lsh_codes(table, target[free], free, params), donor_codes, params.candidates
+    )
     best = np.zeros(len(free), dtype=np.int64)
     if idx.shape[1] > 1:  # among the best-distance candidates, the nearest predicted position
         expect = expected_donor_pos(builder.donor_pos, free, len(donor))

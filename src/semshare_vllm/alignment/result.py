@@ -9,9 +9,9 @@ import numpy as np
 
 
 class MatchKind(IntEnum):
-    NONE = 0     # computed, no donor KV
-    EXACT = 1    # the donor token is the same token (a run, or an equal piece of an edit)
-    FUZZY = 2    # a different donor token: a replaced word of an edit, or the LSH nearest
+    NONE = 0  # computed, no donor KV
+    EXACT = 1  # the donor token is the same token (a run, or an equal piece of an edit)
+    FUZZY = 2  # a different donor token: a replaced word of an edit, or the LSH nearest
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Alignment:
-    donor_pos: np.ndarray     # [target_len] int64: donor position, or -1
-    kind: np.ndarray          # [target_len] int8: MatchKind
-    runs: tuple[Run, ...]     # the token-identical runs used, in target order
+    donor_pos: np.ndarray  # [target_len] int64: donor position, or -1
+    kind: np.ndarray  # [target_len] int8: MatchKind
+    runs: tuple[Run, ...]  # the token-identical runs used, in target order
     # Positions each stage aligned, by stage name ("exact", "edit", "sentence", "lsh").
     stage_counts: dict[str, int] = field(default_factory=dict)
 
@@ -53,10 +53,14 @@ class Alignment:
         return len(self.runs)
 
     def summary(self) -> dict:
-        return {"tokens": len(self.donor_pos), "coverage": round(self.coverage, 4),
-                "exact_coverage": round(self.exact_coverage, 4),
-                "fuzzy_coverage": round(self.fuzzy_coverage, 4), "runs": self.num_runs,
-                **{f"by_{k}": v for k, v in self.stage_counts.items()}}
+        return {
+            "tokens": len(self.donor_pos),
+            "coverage": round(self.coverage, 4),
+            "exact_coverage": round(self.exact_coverage, 4),
+            "fuzzy_coverage": round(self.fuzzy_coverage, 4),
+            "runs": self.num_runs,
+            **{f"by_{k}": v for k, v in self.stage_counts.items()},
+        }
 
 
 class AlignmentBuilder:
@@ -72,19 +76,24 @@ class AlignmentBuilder:
     def free(self) -> np.ndarray:
         return self.donor_pos < 0
 
-    def take(self, stage: str, target_pos: np.ndarray, donor_pos: np.ndarray,
-             kind: np.ndarray | int) -> int:
+    def take(
+        self, stage: str, target_pos: np.ndarray, donor_pos: np.ndarray, kind: np.ndarray | int
+    ) -> int:
         """Assign the still-free ones of ``target_pos``; returns how many were taken."""
         target_pos = np.asarray(target_pos, dtype=np.int64)
         keep = self.donor_pos[target_pos] < 0
         t = target_pos[keep]
-        self.donor_pos[t] = np.asarray(donor_pos, dtype=np.int64)[keep] if np.ndim(donor_pos) \
-            else donor_pos
+        self.donor_pos[t] = (
+            np.asarray(donor_pos, dtype=np.int64)[keep] if np.ndim(donor_pos) else donor_pos
+        )
         self.kind[t] = np.asarray(kind)[keep] if np.ndim(kind) else kind
         self.stage_counts[stage] = self.stage_counts.get(stage, 0) + len(t)
         return len(t)
 
     def build(self) -> Alignment:
-        return Alignment(self.donor_pos, self.kind,
-                         tuple(sorted(self.runs, key=lambda r: r.target_start)),
-                         self.stage_counts)
+        return Alignment(
+            self.donor_pos,
+            self.kind,
+            tuple(sorted(self.runs, key=lambda r: r.target_start)),
+            self.stage_counts,
+        )

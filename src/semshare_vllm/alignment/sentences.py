@@ -28,8 +28,7 @@ class SentenceSplitter:
     def from_tokenizer(cls, tokenizer) -> "SentenceSplitter":
         """Token ids whose text ends a sentence (trailing spaces ignored) or holds a newline."""
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        return cls(i for i, s in enumerate(texts)
-                   if "\n" in s or s.rstrip(" ").endswith(_ENDINGS))
+        return cls(i for i, s in enumerate(texts) if "\n" in s or s.rstrip(" ").endswith(_ENDINGS))
 
     def starts(self, tokens: np.ndarray) -> np.ndarray:
         """Start index of every sentence (the first is 0); a run of ending tokens ("!" then a
@@ -44,8 +43,9 @@ class SentenceSplitter:
         return mask
 
 
-def sentence_vectors(table: EmbeddingTable, tokens: np.ndarray, starts: np.ndarray,
-                     stops: np.ndarray | None = None) -> np.ndarray:
+def sentence_vectors(
+    table: EmbeddingTable, tokens: np.ndarray, starts: np.ndarray, stops: np.ndarray | None = None
+) -> np.ndarray:
     """``[len(starts), dim]`` normalised mean embedding, common part removed, of each sentence
     ``tokens[starts[i]:stops[i]]`` (``stops``: the next sentence's start by default)."""
     if stops is None:
@@ -61,10 +61,18 @@ def sentence_vectors(table: EmbeddingTable, tokens: np.ndarray, starts: np.ndarr
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-6)
 
 
-def sentence_stage(builder: AlignmentBuilder, target: np.ndarray, donor: np.ndarray,
-                   donor_starts: np.ndarray, donor_vectors: np.ndarray, table: EmbeddingTable,
-                   splitter: SentenceSplitter, min_similarity: float,
-                   edit_min_similarity: float, min_free: float = 0.5) -> int:
+def sentence_stage(
+    builder: AlignmentBuilder,
+    target: np.ndarray,
+    donor: np.ndarray,
+    donor_starts: np.ndarray,
+    donor_vectors: np.ndarray,
+    table: EmbeddingTable,
+    splitter: SentenceSplitter,
+    min_similarity: float,
+    edit_min_similarity: float,
+    min_free: float = 0.5,
+) -> int:
     """Pair each mostly unaligned target sentence with its most similar donor sentence
     (``donor_starts`` / ``donor_vectors``: the donor's sentences, see ``DonorFeatures``)."""
     if not len(target) or not len(donor):

@@ -25,37 +25,73 @@ from semshare_vllm.bench.workloads import WORKLOADS, Sizer, WorkloadError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="semshare-bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="semshare-bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--launch", action="store_true",
-                        help="start a local vllm serve with the connector, stop it after")
-    p.add_argument("--model", help="--launch: the model (default: the packaged SmolLM2-135M); "
-                   "--base-url: the served model name (default: the server's first)")
-    p.add_argument("--tokenizer", help="tokenizer to size prompts with (default: --launch's "
-                   "model; else 4 characters a token)")
-    p.add_argument("--workloads", default="cross-instruction,negative",
-                   help=f"comma-separated, or 'all': {', '.join(WORKLOADS)}")
-    p.add_argument("--workload-file", help="your own JSONL: {\"prompt\", \"group\", \"role\": "
-                   "\"donor\"|\"target\", \"answer\"?} per line")
-    p.add_argument("--context-tokens", type=int, nargs="+", default=[1024],
-                   help="prompt sizes to build the workloads at (512 ... 32768)")
+    target.add_argument(
+        "--launch",
+        action="store_true",
+        help="start a local vllm serve with the connector, stop it after",
+    )
+    p.add_argument(
+        "--model",
+        help="--launch: the model (default: the packaged SmolLM2-135M); "
+        "--base-url: the served model name (default: the server's first)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer to size prompts with (default: --launch's "
+        "model; else 4 characters a token)",
+    )
+    p.add_argument(
+        "--workloads",
+        default="cross-instruction,negative",
+        help=f"comma-separated, or 'all': {', '.join(WORKLOADS)}",
+    )
+    p.add_argument(
+        "--workload-file",
+        help='your own JSONL: {"prompt", "group", "role": "donor"|"target", "answer"?} per line',
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="prompt sizes to build the workloads at (512 ... 32768)",
+    )
     p.add_argument("--groups", type=int, default=2, help="groups per workload and size")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--donor-wait-s", type=float, default=60.0,
-                   help="longest wait for a group's donors to be captured and embedded")
-    p.add_argument("--extra-config", type=json.loads, default={},
-                   help="--launch: connector keys as JSON (kv_connector_extra_config)")
-    p.add_argument("--no-perplexity", dest="perplexity", action="store_false",
-                   help="skip scoring the held-out references (two prompt-logprob requests "
-                   "per target)")
+    p.add_argument(
+        "--donor-wait-s",
+        type=float,
+        default=60.0,
+        help="longest wait for a group's donors to be captured and embedded",
+    )
+    p.add_argument(
+        "--extra-config",
+        type=json.loads,
+        default={},
+        help="--launch: connector keys as JSON (kv_connector_extra_config)",
+    )
+    p.add_argument(
+        "--no-perplexity",
+        dest="perplexity",
+        action="store_false",
+        help="skip scoring the held-out references (two prompt-logprob requests per target)",
+    )
     p.add_argument("--out", default="semshare-bench.json", help="JSON result file")
     p.add_argument("--plots", help="directory for PNG plots (needs matplotlib)")
     args = p.parse_args(argv)
-    names = WORKLOADS if args.workloads == "all" else \
-        tuple(n.strip() for n in args.workloads.split(",") if n.strip())
+    names = (
+        WORKLOADS
+        if args.workloads == "all"
+        else tuple(n.strip() for n in args.workloads.split(",") if n.strip())
+    )
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
@@ -71,8 +107,13 @@ class _Progress:
     def __init__(self, total: int, tokens: int):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=f"{tokens:>6} tokens", unit="target",
-                        dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(
+            total=total,
+            desc=f"{tokens:>6} tokens",
+            unit="target",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
         self.hits = 0
 
     def __call__(self, m: Measured, done: int, total: int) -> None:
@@ -80,7 +121,9 @@ class _Progress:
         self.bar.set_postfix_str(
             f"{m.request.workload}: cold {m.cold.ttft_s * 1e3:.0f} ms, served "
             f"{m.served.ttft_s * 1e3:.0f} ms ({'hit' if m.hit else 'miss'}); "
-            f"hits {self.hits}/{done}", refresh=False)
+            f"hits {self.hits}/{done}",
+            refresh=False,
+        )
         self.bar.update(1)
 
     def close(self) -> None:
@@ -98,15 +141,25 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
         if args.workload_file:
             requests = workloads.load_file(args.workload_file)
         else:
-            requests = [r for name in args.workload_names
-                        for r in workloads.build(name, args.groups, tokens, sizer, args.seed)]
+            requests = [
+                r
+                for name in args.workload_names
+                for r in workloads.build(name, args.groups, tokens, sizer, args.seed)
+            ]
         targets = sum(r.role == "target" for r in requests)
-        print(f"\n{len(requests)} requests at ~{tokens} tokens ({targets} targets, cold and "
-              "served):")
+        print(
+            f"\n{len(requests)} requests at ~{tokens} tokens ({targets} targets, cold and served):"
+        )
         progress = _Progress(targets, tokens)
         try:
-            results = run(endpoint, requests, args.max_tokens, args.donor_wait_s, progress,
-                          perplexity=args.perplexity)
+            results = run(
+                endpoint,
+                requests,
+                args.max_tokens,
+                args.donor_wait_s,
+                progress,
+                perplexity=args.perplexity,
+            )
         finally:
             progress.close()
         interrupted = len(results) < targets
@@ -121,8 +174,10 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
     print(f"\nresults: {args.out}" + (" (interrupted: partial)" if interrupted else ""))
     if args.plots and summaries:
         written = report.plots(args.plots, summaries)
-        print("plots: " + (", ".join(map(str, written)) if written
-                           else "none (matplotlib is not installed)"))
+        print(
+            "plots: "
+            + (", ".join(map(str, written)) if written else "none (matplotlib is not installed)")
+        )
     return 130 if interrupted else 0
 
 
@@ -130,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.workload_file:
-            workloads.load_file(args.workload_file)   # fail before starting anything
+            workloads.load_file(args.workload_file)  # fail before starting anything
         if args.launch:
             return _launched(args)
         endpoint = Endpoint(args.base_url, args.model)
@@ -160,8 +215,9 @@ def _launched(args: argparse.Namespace) -> int:
     longest = max(args.context_tokens) + 512
     log = Path(tempfile.mkdtemp(prefix="semshare-bench-")) / "vllm-serve.log"
     print(f"starting vllm serve {model} with the SemShare connector (log: {log})")
-    with VllmServer(model, kv, ["--block-size", "32"], log,
-                    max_model_len=max(4096, longest)) as server:
+    with VllmServer(
+        model, kv, ["--block-size", "32"], log, max_model_len=max(4096, longest)
+    ) as server:
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()
         return bench(args, endpoint, _sizer(args.tokenizer or model))

@@ -19,9 +19,9 @@ class EndpointError(RuntimeError):
 @dataclass
 class Completion:
     text: str
-    ttft_s: float          # first streamed text chunk, measured on the client
-    total_s: float         # end to end
-    cached_tokens: int | None   # prompt_tokens_details.cached_tokens (vLLM's and ours)
+    ttft_s: float  # first streamed text chunk, measured on the client
+    total_s: float  # end to end
+    cached_tokens: int | None  # prompt_tokens_details.cached_tokens (vLLM's and ours)
     prompt_tokens: int | None
 
 
@@ -52,9 +52,10 @@ class Endpoint:
         if need_connector and not self.counters():
             raise EndpointError(
                 f"{self.url} does not run the SemShare connector (no vllm:semshare_* metrics); "
-                "start it with --kv-transfer-config '{\"kv_connector\":\"SemShareConnector\","
-                "\"kv_connector_module_path\":\"semshare_vllm.connector\",\"kv_role\":"
-                "\"kv_both\"}'")
+                'start it with --kv-transfer-config \'{"kv_connector":"SemShareConnector",'
+                '"kv_connector_module_path":"semshare_vllm.connector","kv_role":'
+                '"kv_both"}\''
+            )
 
     def counters(self) -> dict[str, float]:
         """The connector's counters (``vllm:semshare_<name>_total``, summed over engines)."""
@@ -67,22 +68,34 @@ class Endpoint:
             out[name] = out.get(name, 0.0) + float(value)
         return out
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 16,
-                 cache_salt: str | None = None, kv_transfer_params: dict | None = None,
-                 ignore_eos: bool = True) -> Completion:
+    def complete(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        ignore_eos: bool = True,
+    ) -> Completion:
         """Greedy streaming completion; TTFT to the first text chunk, as ``vllm bench serve``
         measures it."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": ignore_eos,
+            "stream_options": {"include_usage": True},
+        }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         t0 = time.perf_counter()
         ttft, text, usage = None, [], {}
-        with requests.post(self.url + "/v1/completions", json=body, stream=True,
-                           timeout=self.timeout_s) as resp:
+        with requests.post(
+            self.url + "/v1/completions", json=body, stream=True, timeout=self.timeout_s
+        ) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -95,20 +108,27 @@ class Endpoint:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
         details = usage.get("prompt_tokens_details") or {}
-        return Completion("".join(text), ttft if ttft is not None else float("nan"),
-                          time.perf_counter() - t0, details.get("cached_tokens"),
-                          usage.get("prompt_tokens"))
+        return Completion(
+            "".join(text),
+            ttft if ttft is not None else float("nan"),
+            time.perf_counter() - t0,
+            details.get("cached_tokens"),
+            usage.get("prompt_tokens"),
+        )
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` under the served model's tokenizer (vLLM's ``/tokenize``)."""
-        resp = requests.post(self.url + "/tokenize", json={
-            "model": self.model, "prompt": text, "add_special_tokens": add_special_tokens},
-            timeout=self.timeout_s)
+        resp = requests.post(
+            self.url + "/tokenize",
+            json={"model": self.model, "prompt": text, "add_special_tokens": add_special_tokens},
+            timeout=self.timeout_s,
+        )
         resp.raise_for_status()
         return resp.json()["tokens"]
 
-    def reference_nll(self, prompt: str, reference: str, reuse: bool,
-                      cache_salt: str | None = None) -> float:
+    def reference_nll(
+        self, prompt: str, reference: str, reuse: bool, cache_salt: str | None = None
+    ) -> float:
         """Mean negative log-likelihood of ``reference`` after ``prompt`` (nats per token), from
         vLLM's prompt logprobs. ``reuse``: the connector may serve the prompt (its reuse is
         limited to the prompt, so vLLM scores every reference token); else it is opted out."""
@@ -117,12 +137,18 @@ class Endpoint:
         if not tail:
             return float("nan")
         params = {"semshare_reuse_limit": len(head) - 1} if reuse else {"semshare": "off"}
-        body = {"model": self.model, "prompt": head + tail, "max_tokens": 1,
-                "temperature": 0.0, "prompt_logprobs": 0, "kv_transfer_params": params}
+        body = {
+            "model": self.model,
+            "prompt": head + tail,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "kv_transfer_params": params,
+        }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         resp = requests.post(self.url + "/v1/completions", json=body, timeout=self.timeout_s)
         resp.raise_for_status()
-        rows = resp.json()["choices"][0]["prompt_logprobs"][len(head):]
+        rows = resp.json()["choices"][0]["prompt_logprobs"][len(head) :]
         nll = [-row[str(tok)]["logprob"] for row, tok in zip(rows, tail)]
         return math.fsum(nll) / len(nll)

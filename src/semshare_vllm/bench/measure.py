@@ -21,8 +21,8 @@ OPT_OUT = {"semshare": "off"}
 class Measured:
     request: BenchRequest
     cold: Completion
-    served: Completion          # through the connector
-    connector_tokens: int       # prompt tokens the connector claimed for it (counter delta)
+    served: Completion  # through the connector
+    connector_tokens: int  # prompt tokens the connector claimed for it (counter delta)
     # The reference's mean NLL after the prompt (nats per token), cold and through the
     # connector, and the prompt tokens the connector claimed for the latter (None: not scored)
     cold_nll: float | None = None
@@ -43,14 +43,23 @@ class Measured:
         """The reference's perplexity after a hit over its perplexity cold (None unless the
         target and its scoring request were both hits: after a miss, the scoring request reuses
         the served request's own exact KV)."""
-        if not self.hit or self.cold_nll is None or self.served_nll is None or \
-                self.scored_tokens < 0.5 * max(self.prompt_tokens, 1):
+        if (
+            not self.hit
+            or self.cold_nll is None
+            or self.served_nll is None
+            or self.scored_tokens < 0.5 * max(self.prompt_tokens, 1)
+        ):
             return None
         return math.exp(self.served_nll - self.cold_nll)
 
 
-def wait_for_donors(endpoint: Endpoint, before: dict[str, float], donors: int,
-                    timeout_s: float, embed_wait_s: float = 15.0) -> None:
+def wait_for_donors(
+    endpoint: Endpoint,
+    before: dict[str, float],
+    donors: int,
+    timeout_s: float,
+    embed_wait_s: float = 15.0,
+) -> None:
     """Until the server has captured the group's donors and embedded every donor it captured
     (earlier requests' captures queue ahead of this group's, so a count since ``before`` alone
     could be theirs); the second wait is short, for servers whose discovery is off."""
@@ -60,12 +69,16 @@ def wait_for_donors(endpoint: Endpoint, before: dict[str, float], donors: int,
     captured_at = None
     while time.monotonic() < deadline:
         now = endpoint.counters()
-        if captured_at is None and \
-                now.get("captured_donors", 0) - before.get("captured_donors", 0) >= donors:
+        if (
+            captured_at is None
+            and now.get("captured_donors", 0) - before.get("captured_donors", 0) >= donors
+        ):
             captured_at = time.monotonic()
         if captured_at is not None and (
-                now.get("donors_embedded", 0) + now.get("donors_evicted", 0)
-                >= now.get("captured_donors", 0) or time.monotonic() > captured_at + embed_wait_s):
+            now.get("donors_embedded", 0) + now.get("donors_evicted", 0)
+            >= now.get("captured_donors", 0)
+            or time.monotonic() > captured_at + embed_wait_s
+        ):
             return
         # a finished request is captured when the engine steps again: give it a step
         endpoint.complete("ping", max_tokens=1, kv_transfer_params=OPT_OUT)
@@ -113,15 +126,15 @@ def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
     m.scored_tokens = _claimed(endpoint, before)
 
 
-def measure_target(endpoint: Endpoint, r: BenchRequest, max_tokens: int, cold_first: bool,
-                   perplexity: bool = True) -> Measured:
+def measure_target(
+    endpoint: Endpoint, r: BenchRequest, max_tokens: int, cold_first: bool, perplexity: bool = True
+) -> Measured:
     """One target cold (opted out, its own salt) and served, in the order given (callers
     alternate it); with ``perplexity``, its reference then scored both ways."""
     salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
 
     def cold():
-        return endpoint.complete(r.prompt, max_tokens, cache_salt=salt,
-                                 kv_transfer_params=OPT_OUT)
+        return endpoint.complete(r.prompt, max_tokens, cache_salt=salt, kv_transfer_params=OPT_OUT)
 
     if cold_first:
         c = cold()
@@ -135,10 +148,14 @@ def measure_target(endpoint: Endpoint, r: BenchRequest, max_tokens: int, cold_fi
     return m
 
 
-def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
-        donor_wait_s: float = 60.0,
-        on_result: Callable[[Measured, int, int], None] | None = None,
-        perplexity: bool = True) -> list[Measured]:
+def run(
+    endpoint: Endpoint,
+    requests: list[BenchRequest],
+    max_tokens: int,
+    donor_wait_s: float = 60.0,
+    on_result: Callable[[Measured, int, int], None] | None = None,
+    perplexity: bool = True,
+) -> list[Measured]:
     """Donors of each group first, then its targets (cold and served; with ``perplexity``, then
     their reference scored both ways). A KeyboardInterrupt stops the run; what was measured so
     far is returned."""
@@ -158,8 +175,11 @@ def run(endpoint: Endpoint, requests: list[BenchRequest], max_tokens: int,
                     to_capture += claimed < 0.5 * (sent.prompt_tokens or 1)
                 wait_for_donors(endpoint, before, to_capture, donor_wait_s)
             for r in (r for r in members if r.role == "target"):
-                out.append(measure_target(endpoint, r, max_tokens, cold_first=len(out) % 2 == 1,
-                                          perplexity=perplexity))
+                out.append(
+                    measure_target(
+                        endpoint, r, max_tokens, cold_first=len(out) % 2 == 1, perplexity=perplexity
+                    )
+                )
                 if on_result is not None:
                     on_result(out[-1], len(out), total)
     except KeyboardInterrupt:

@@ -21,9 +21,13 @@ def _ttft(completions) -> dict[str, float]:
     ms = np.array([c.ttft_s * 1e3 for c in completions], dtype=np.float64)
     if not len(ms):
         return {}
-    return {"mean_ttft_ms": float(ms.mean()), "median_ttft_ms": float(np.median(ms)),
-            "std_ttft_ms": float(ms.std()), "p99_ttft_ms": float(np.percentile(ms, 99)),
-            "mean_e2el_ms": float(np.mean([c.total_s * 1e3 for c in completions]))}
+    return {
+        "mean_ttft_ms": float(ms.mean()),
+        "median_ttft_ms": float(np.median(ms)),
+        "std_ttft_ms": float(ms.std()),
+        "p99_ttft_ms": float(np.percentile(ms, 99)),
+        "mean_e2el_ms": float(np.mean([c.total_s * 1e3 for c in completions])),
+    }
 
 
 def _ratio(a: list[float], b: list[float]) -> float | None:
@@ -44,38 +48,55 @@ def summarize(results: list[Measured]) -> dict:
             "hit_rate": len(hits) / len(rows),
             "median_prompt_tokens": statistics.median(m.prompt_tokens for m in rows),
             "reused_share_of_hits": statistics.median(
-                m.connector_tokens / m.prompt_tokens for m in hits) if hits else None,
+                m.connector_tokens / m.prompt_tokens for m in hits
+            )
+            if hits
+            else None,
             "cold": _ttft([m.cold for m in rows]),
             "semshare": _ttft([m.served for m in rows]),
             "semshare_hits": _ttft([m.served for m in hits]),
-            "hit_only_speedup": _ratio([m.cold.ttft_s for m in hits],
-                                       [m.served.ttft_s for m in hits]),
-            "blended_speedup": _ratio([m.cold.ttft_s for m in rows],
-                                      [m.served.ttft_s for m in rows]),
-            "miss_overhead": (_ratio([m.served.ttft_s for m in misses],
-                                     [m.cold.ttft_s for m in misses]) or 1.0) - 1.0
-            if misses else None,
-            "rouge_l_hits": statistics.median(rouge_l(m.served.text, m.cold.text)
-                                              for m in hits) if hits else None,
+            "hit_only_speedup": _ratio(
+                [m.cold.ttft_s for m in hits], [m.served.ttft_s for m in hits]
+            ),
+            "blended_speedup": _ratio(
+                [m.cold.ttft_s for m in rows], [m.served.ttft_s for m in rows]
+            ),
+            "miss_overhead": (
+                _ratio([m.served.ttft_s for m in misses], [m.cold.ttft_s for m in misses]) or 1.0
+            )
+            - 1.0
+            if misses
+            else None,
+            "rouge_l_hits": statistics.median(rouge_l(m.served.text, m.cold.text) for m in hits)
+            if hits
+            else None,
             "perplexity_ratio_hits": _median(m.perplexity_ratio for m in hits),
-            "reference_perplexity_cold": _median(math.exp(m.cold_nll) for m in rows
-                                                 if m.cold_nll is not None),
-            "accuracy_semshare": sum(_correct(m.served.text, m.request.answer)
-                                     for m in checked) / len(checked) if checked else None,
-            "accuracy_cold": sum(_correct(m.cold.text, m.request.answer)
-                                 for m in checked) / len(checked) if checked else None,
+            "reference_perplexity_cold": _median(
+                math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
+            ),
+            "accuracy_semshare": sum(_correct(m.served.text, m.request.answer) for m in checked)
+            / len(checked)
+            if checked
+            else None,
+            "accuracy_cold": sum(_correct(m.cold.text, m.request.answer) for m in checked)
+            / len(checked)
+            if checked
+            else None,
         }
         levels = sorted({m.request.level for m in rows if m.request.level is not None})
         if levels:
             summary["by_edit_level"] = {
-                f"{lvl:.1f}": {"hit_rate": _mean([m.hit for m in rows
-                                                  if m.request.level == lvl]),
-                               "rouge_l": statistics.median(
-                                   rouge_l(m.served.text, m.cold.text)
-                                   for m in rows if m.request.level == lvl),
-                               "perplexity_ratio": _median(
-                                   m.perplexity_ratio for m in rows if m.request.level == lvl)}
-                for lvl in levels}
+                f"{lvl:.1f}": {
+                    "hit_rate": _mean([m.hit for m in rows if m.request.level == lvl]),
+                    "rouge_l": statistics.median(
+                        rouge_l(m.served.text, m.cold.text) for m in rows if m.request.level == lvl
+                    ),
+                    "perplexity_ratio": _median(
+                        m.perplexity_ratio for m in rows if m.request.level == lvl
+                    ),
+                }
+                for lvl in levels
+            }
         out[name] = summary
     return out
 
@@ -95,17 +116,29 @@ def _correct(text: str, answer: str) -> bool:
 
 
 def request_rows(results: list[Measured]) -> list[dict]:
-    return [{"workload": m.request.workload, "group": m.request.group,
-             "level": m.request.level, "answer": m.request.answer,
-             "prompt_tokens": m.prompt_tokens, "connector_tokens": m.connector_tokens,
-             "cached_tokens": m.served.cached_tokens, "hit": m.hit,
-             "cold_ttft_ms": m.cold.ttft_s * 1e3, "semshare_ttft_ms": m.served.ttft_s * 1e3,
-             "cold_e2el_ms": m.cold.total_s * 1e3, "semshare_e2el_ms": m.served.total_s * 1e3,
-             "cold_output": m.cold.text, "semshare_output": m.served.text,
-             "reference_nll_cold": m.cold_nll, "reference_nll_semshare": m.served_nll,
-             "reference_connector_tokens": m.scored_tokens,
-             "perplexity_ratio": m.perplexity_ratio}
-            for m in results]
+    return [
+        {
+            "workload": m.request.workload,
+            "group": m.request.group,
+            "level": m.request.level,
+            "answer": m.request.answer,
+            "prompt_tokens": m.prompt_tokens,
+            "connector_tokens": m.connector_tokens,
+            "cached_tokens": m.served.cached_tokens,
+            "hit": m.hit,
+            "cold_ttft_ms": m.cold.ttft_s * 1e3,
+            "semshare_ttft_ms": m.served.ttft_s * 1e3,
+            "cold_e2el_ms": m.cold.total_s * 1e3,
+            "semshare_e2el_ms": m.served.total_s * 1e3,
+            "cold_output": m.cold.text,
+            "semshare_output": m.served.text,
+            "reference_nll_cold": m.cold_nll,
+            "reference_nll_semshare": m.served_nll,
+            "reference_connector_tokens": m.scored_tokens,
+            "perplexity_ratio": m.perplexity_ratio,
+        }
+        for m in results
+    ]
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -114,14 +147,19 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def table(summaries: dict[int, dict[str, dict]]) -> str:
     """A console table: one row per context length and workload."""
-    lines = ["| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
-             "| blended | miss overhead | ROUGE-L (hits) | PPL ratio (hits) "
-             "| accuracy (served / cold) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
+        "| blended | miss overhead | ROUGE-L (hits) | PPL ratio (hits) "
+        "| accuracy (served / cold) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
-            acc = "-" if s["accuracy_semshare"] is None else \
-                f"{s['accuracy_semshare']:.0%} / {s['accuracy_cold']:.0%}"
+            acc = (
+                "-"
+                if s["accuracy_semshare"] is None
+                else f"{s['accuracy_semshare']:.0%} / {s['accuracy_cold']:.0%}"
+            )
             lines.append(
                 f"| {tokens:,} | {name} | {s['targets']} | {s['hit_rate']:.0%} | "
                 f"{_fmt(s['cold'].get('median_ttft_ms'), '.0f', ' ms')} | "
@@ -129,22 +167,38 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s['hit_only_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['blended_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['miss_overhead'], '+.1%')} | {_fmt(s['rouge_l_hits'], '.2f')} | "
-                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} |")
+                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} |"
+            )
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, config: dict, summaries: dict[int, dict[str, dict]],
-               rows: dict[int, list[dict]], complete: bool) -> None:
-    Path(path).write_text(json.dumps({
-        "config": config, "complete": complete,
-        "results": {str(tokens): {"workloads": summaries[tokens], "requests": rows[tokens]}
-                    for tokens in summaries}}, indent=1))
+def write_json(
+    path: str | Path,
+    config: dict,
+    summaries: dict[int, dict[str, dict]],
+    rows: dict[int, list[dict]],
+    complete: bool,
+) -> None:
+    Path(path).write_text(
+        json.dumps(
+            {
+                "config": config,
+                "complete": complete,
+                "results": {
+                    str(tokens): {"workloads": summaries[tokens], "requests": rows[tokens]}
+                    for tokens in summaries
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[Path]:
     """TTFT cold vs hit against context length, and fidelity against edit ratio (PNG)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -157,29 +211,49 @@ def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[
     lengths = sorted(summaries)
     for name in names:
         cold = [summaries[t].get(name, {}).get("cold", {}).get("median_ttft_ms") for t in lengths]
-        hit = [summaries[t].get(name, {}).get("semshare_hits", {}).get("median_ttft_ms")
-               for t in lengths]
-        line = ax.plot(lengths, [c if c is not None else np.nan for c in cold], "o--",
-                       label=f"{name} cold")[0]
-        ax.plot(lengths, [h if h is not None else np.nan for h in hit], "o-",
-                color=line.get_color(), label=f"{name} hit")
+        hit = [
+            summaries[t].get(name, {}).get("semshare_hits", {}).get("median_ttft_ms")
+            for t in lengths
+        ]
+        line = ax.plot(
+            lengths, [c if c is not None else np.nan for c in cold], "o--", label=f"{name} cold"
+        )[0]
+        ax.plot(
+            lengths,
+            [h if h is not None else np.nan for h in hit],
+            "o-",
+            color=line.get_color(),
+            label=f"{name} hit",
+        )
     ax.set_xlabel("prompt tokens (requested context)")
     ax.set_ylabel("median TTFT (ms)")
     written.append(_save(plt, fig, ax, "TTFT, cold vs hit", directory / "ttft_vs_context.png"))
-    edits = {t: by["edit"]["by_edit_level"] for t, by in summaries.items()
-             if "edit" in by and "by_edit_level" in by["edit"]}
+    edits = {
+        t: by["edit"]["by_edit_level"]
+        for t, by in summaries.items()
+        if "edit" in by and "by_edit_level" in by["edit"]
+    }
     if edits:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for tokens, by_level in edits.items():
             levels = sorted(by_level, key=float)
-            ax.plot([float(lv) for lv in levels], [by_level[lv]["rouge_l"] for lv in levels],
-                    "o-", label=f"ROUGE-L, {tokens} tokens")
-            ax.plot([float(lv) for lv in levels], [by_level[lv]["hit_rate"] for lv in levels],
-                    "s--", label=f"hit rate, {tokens} tokens")
+            ax.plot(
+                [float(lv) for lv in levels],
+                [by_level[lv]["rouge_l"] for lv in levels],
+                "o-",
+                label=f"ROUGE-L, {tokens} tokens",
+            )
+            ax.plot(
+                [float(lv) for lv in levels],
+                [by_level[lv]["hit_rate"] for lv in levels],
+                "s--",
+                label=f"hit rate, {tokens} tokens",
+            )
         ax.set_xlabel("share of sentences removed or replaced")
         ax.set_ylim(0, 1.05)
-        written.append(_save(plt, fig, ax, "fidelity against edit ratio",
-                             directory / "fidelity_vs_edit.png"))
+        written.append(
+            _save(plt, fig, ax, "fidelity against edit ratio", directory / "fidelity_vs_edit.png")
+        )
     return written
 
 

@@ -37,7 +37,7 @@ from semshare_vllm.testbed.text import sharegpt_conversations, wiki_document, wi
 WORKLOADS = ("cross-instruction", "rag-reorder", "doc-qa", "edit", "multi-turn", "negative")
 EDIT_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CHARS_PER_TOKEN = 4
-REFERENCE_TOKENS = 48          # length of a held-out continuation
+REFERENCE_TOKENS = 48  # length of a held-out continuation
 
 
 class WorkloadError(ValueError):
@@ -48,10 +48,10 @@ class WorkloadError(ValueError):
 class BenchRequest:
     workload: str
     group: str
-    role: str                     # "donor" or "target"
+    role: str  # "donor" or "target"
     prompt: str
-    answer: str | None = None     # doc-qa: text the answer must contain
-    level: float | None = None    # edit: share of sentences changed
+    answer: str | None = None  # doc-qa: text the answer must contain
+    level: float | None = None  # edit: share of sentences changed
     reference: str | None = None  # held-out text scored after the prompt (perplexity)
 
 
@@ -63,7 +63,7 @@ class Sizer:
 
     def cut(self, text: str, tokens: int) -> str:
         if self.tok is None:
-            return text[:tokens * CHARS_PER_TOKEN]
+            return text[: tokens * CHARS_PER_TOKEN]
         ids = self.tok(text, add_special_tokens=False)["input_ids"][:tokens]
         return self.tok.decode(ids)
 
@@ -71,9 +71,9 @@ class Sizer:
         """The first ``tokens`` tokens of ``text`` and the ``more`` tokens after them."""
         if self.tok is None:
             cut = tokens * CHARS_PER_TOKEN
-            return text[:cut], text[cut:cut + more * CHARS_PER_TOKEN]
+            return text[:cut], text[cut : cut + more * CHARS_PER_TOKEN]
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        return self.tok.decode(ids[:tokens]), self.tok.decode(ids[tokens:tokens + more])
+        return self.tok.decode(ids[:tokens]), self.tok.decode(ids[tokens : tokens + more])
 
     def count(self, text: str) -> int:
         if self.tok is None:
@@ -102,13 +102,21 @@ def load_file(path: str | Path) -> list[BenchRequest]:
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError("'prompt' must be a non-empty string")
             if role not in ("donor", "target"):
-                raise ValueError(f"'role' must be \"donor\" or \"target\", not {role!r}")
+                raise ValueError(f'\'role\' must be "donor" or "target", not {role!r}')
             answer, reference = item.get("answer"), item.get("reference")
             for key, value in (("answer", answer), ("reference", reference)):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"'{key}' must be a non-empty string")
-            out.append(BenchRequest("file", str(item.get("group", f"line-{number}")), role,
-                                    prompt, answer, reference=reference))
+            out.append(
+                BenchRequest(
+                    "file",
+                    str(item.get("group", f"line-{number}")),
+                    role,
+                    prompt,
+                    answer,
+                    reference=reference,
+                )
+            )
         except (ValueError, KeyError, TypeError) as exc:
             reason = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise WorkloadError(f"{path}, line {number}: {reason}") from None
@@ -130,10 +138,18 @@ def _cross_instruction(groups, tokens, sizer, rng):
     for g in range(groups):
         doc, following = _document(rng, tokens, sizer)
         group = f"cross-instruction-{g}"
-        out += [BenchRequest("cross-instruction", group, "donor",
-                             P.wrap(rng.choice(P.DONOR_TEMPLATES), doc)),
-                BenchRequest("cross-instruction", group, "target",
-                             P.wrap(rng.choice(P.TARGET_TEMPLATES), doc), reference=following)]
+        out += [
+            BenchRequest(
+                "cross-instruction", group, "donor", P.wrap(rng.choice(P.DONOR_TEMPLATES), doc)
+            ),
+            BenchRequest(
+                "cross-instruction",
+                group,
+                "target",
+                P.wrap(rng.choice(P.TARGET_TEMPLATES), doc),
+                reference=following,
+            ),
+        ]
     return out
 
 
@@ -155,10 +171,26 @@ def _rag_reorder(groups, tokens, sizer, rng):
         while permuted == bundle:
             rng.shuffle(permuted)
         group = f"rag-reorder-{g}"
-        out += [BenchRequest("rag-reorder", group, "donor", rng.choice(P.DONOR_HEADERS)
-                             + P.passages(bundle) + "\n\n" + rng.choice(P.DONOR_QUESTIONS)),
-                BenchRequest("rag-reorder", group, "target", rng.choice(P.TARGET_HEADERS)
-                             + P.passages(permuted) + "\n\n" + rng.choice(P.TARGET_QUESTIONS))]
+        out += [
+            BenchRequest(
+                "rag-reorder",
+                group,
+                "donor",
+                rng.choice(P.DONOR_HEADERS)
+                + P.passages(bundle)
+                + "\n\n"
+                + rng.choice(P.DONOR_QUESTIONS),
+            ),
+            BenchRequest(
+                "rag-reorder",
+                group,
+                "target",
+                rng.choice(P.TARGET_HEADERS)
+                + P.passages(permuted)
+                + "\n\n"
+                + rng.choice(P.TARGET_QUESTIONS),
+            ),
+        ]
     return out
 
 
@@ -172,12 +204,16 @@ def _doc_qa(groups, tokens, sizer, rng):
         pad = max(tokens - sizer.count(facts) - 40, 128)
         doc = facts + "\n\n" + _document(rng, pad, sizer)[0]
         group = f"doc-qa-{g}"
-        questions = P.FACT_QUESTIONS[g % len(P.FACT_QUESTIONS):] + \
-            P.FACT_QUESTIONS[:g % len(P.FACT_QUESTIONS)]        # each group asks another first
+        questions = (
+            P.FACT_QUESTIONS[g % len(P.FACT_QUESTIONS) :]
+            + P.FACT_QUESTIONS[: g % len(P.FACT_QUESTIONS)]
+        )  # each group asks another first
         (q0, a0), *rest = questions
         out.append(BenchRequest("doc-qa", group, "donor", P.fact_prompt(doc, q0), a0))
-        out += [BenchRequest("doc-qa", group, "target", P.fact_prompt(doc, q), a,
-                             reference=" " + a) for q, a in rest]
+        out += [
+            BenchRequest("doc-qa", group, "target", P.fact_prompt(doc, q), a, reference=" " + a)
+            for q, a in rest
+        ]
     return out
 
 
@@ -192,20 +228,30 @@ def _edit(groups, tokens, sizer, rng):
         out.append(BenchRequest("edit", group, "donor", P.wrap(template, doc)))
         for level in EDIT_LEVELS:
             edited = P.edit_document(doc, level, op, rng, filler)
-            out.append(BenchRequest("edit", group, "target", P.wrap(template, edited),
-                                    level=level, reference=following))
+            out.append(
+                BenchRequest(
+                    "edit",
+                    group,
+                    "target",
+                    P.wrap(template, edited),
+                    level=level,
+                    reference=following,
+                )
+            )
     return out
 
 
 def _chat(turns: list[tuple[str, str]]) -> str:
     """A conversation in a plain chat format, ending where the assistant answers."""
-    return "".join(f"{'User' if who == 'human' else 'Assistant'}: {text}\n\n"
-                   for who, text in turns) + "Assistant:"
+    return (
+        "".join(f"{'User' if who == 'human' else 'Assistant'}: {text}\n\n" for who, text in turns)
+        + "Assistant:"
+    )
 
 
 def _multi_turn(groups, tokens, sizer, rng):
     out, g = [], 0
-    skip = rng.randrange(2000)       # where in the corpus this seed starts looking
+    skip = rng.randrange(2000)  # where in the corpus this seed starts looking
     for i, conv in enumerate(sharegpt_conversations(limit=skip + 4000)):
         if i < skip:
             continue
@@ -213,21 +259,33 @@ def _multi_turn(groups, tokens, sizer, rng):
         msgs = [(w, t) for w, t in msgs if w in ("human", "gpt") and t]
         humans = [i for i, (w, _) in enumerate(msgs) if w == "human"]
         # three turns or more within the context, the first long enough to be kept as a donor
-        if len(humans) < 3 or sizer.count(_chat(msgs[:humans[2] + 1])) > tokens or \
-                sizer.count(_chat(msgs[:humans[1] + 1])) < tokens // 4 or \
-                sizer.count(_chat(msgs[:humans[0] + 1])) < 64:
+        if (
+            len(humans) < 3
+            or sizer.count(_chat(msgs[: humans[2] + 1])) > tokens
+            or sizer.count(_chat(msgs[: humans[1] + 1])) < tokens // 4
+            or sizer.count(_chat(msgs[: humans[0] + 1])) < 64
+        ):
             continue
         group = f"multi-turn-{g}"
-        turns = [h for h in humans if sizer.count(_chat(msgs[:h + 1])) <= tokens]
-        out.append(BenchRequest("multi-turn", group, "donor", _chat(msgs[:turns[0] + 1])))
-        out += [BenchRequest("multi-turn", group, "target", _chat(msgs[:h + 1]),
-                             reference=_reply(msgs, h, sizer)) for h in turns[1:]]
+        turns = [h for h in humans if sizer.count(_chat(msgs[: h + 1])) <= tokens]
+        out.append(BenchRequest("multi-turn", group, "donor", _chat(msgs[: turns[0] + 1])))
+        out += [
+            BenchRequest(
+                "multi-turn",
+                group,
+                "target",
+                _chat(msgs[: h + 1]),
+                reference=_reply(msgs, h, sizer),
+            )
+            for h in turns[1:]
+        ]
         g += 1
         if g == groups:
             break
     if g < groups:
-        raise WorkloadError(f"multi-turn: only {g} ShareGPT conversations of 3+ turns fit "
-                            f"{tokens} tokens")
+        raise WorkloadError(
+            f"multi-turn: only {g} ShareGPT conversations of 3+ turns fit {tokens} tokens"
+        )
     return out
 
 
@@ -243,11 +301,19 @@ def _negative(groups, tokens, sizer, rng):
     for g in range(groups):
         template = rng.choice(P.DONOR_TEMPLATES)
         doc, following = _document(rng, tokens, sizer)
-        out.append(BenchRequest("negative", f"negative-{g}", "target", P.wrap(template, doc),
-                                reference=following))
+        out.append(
+            BenchRequest(
+                "negative", f"negative-{g}", "target", P.wrap(template, doc), reference=following
+            )
+        )
     return out
 
 
 _BUILDERS: dict[str, Callable] = {
-    "cross-instruction": _cross_instruction, "rag-reorder": _rag_reorder, "doc-qa": _doc_qa,
-    "edit": _edit, "multi-turn": _multi_turn, "negative": _negative}
+    "cross-instruction": _cross_instruction,
+    "rag-reorder": _rag_reorder,
+    "doc-qa": _doc_qa,
+    "edit": _edit,
+    "multi-turn": _multi_turn,
+    "negative": _negative,
+}

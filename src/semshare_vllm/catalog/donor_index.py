@@ -34,13 +34,13 @@ class DonorRecord:
     token_ids: list[int]
     nbytes: int
     hashes: list[bytes] = field(repr=False)
-    num_prompt_tokens: int | None = None    # the prompt's share of token_ids (None: all)
+    num_prompt_tokens: int | None = None  # the prompt's share of token_ids (None: all)
     # another instance's donor: per rank, the digest of its KV shard (shared_records.kv_digest)
     kv_digests: list[str] | None = None
     hits: int = 0
-    created: float = 0.0                     # set by the catalog (its clock), like these two:
+    created: float = 0.0  # set by the catalog (its clock), like these two:
     last_used: float = 0.0
-    serial: int = 0                          # tells a re-added donor from its earlier self
+    serial: int = 0  # tells a re-added donor from its earlier self
     # discovery: set once the donor is embedded (off the scheduler thread)
     embedding: "DocumentEmbedding | None" = field(default=None, repr=False)
     fingerprint: int | None = None
@@ -51,7 +51,7 @@ class DonorRecord:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,14 @@ class PrefixMatch:
 
 
 class DonorIndex:
-    def __init__(self, block_size: int, capacity_bytes: int,
-                 policy: EvictionPolicy | None = None, vectors: "VectorIndex | None" = None,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        block_size: int,
+        capacity_bytes: int,
+        policy: EvictionPolicy | None = None,
+        vectors: "VectorIndex | None" = None,
+        clock=time.monotonic,
+    ):
         self.block_size = block_size
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
@@ -94,8 +99,10 @@ class DonorIndex:
         if tail == 0:
             return True
         start = len(hashes) * self.block_size
-        return any(self._lru[k].token_ids[start:start + tail] == list(token_ids[start:])
-                   for k in table[hashes[-1]])
+        return any(
+            self._lru[k].token_ids[start : start + tail] == list(token_ids[start:])
+            for k in table[hashes[-1]]
+        )
 
     def add(self, record: DonorRecord) -> list[DonorKey]:
         """Insert ``record``; returns the keys evicted to make room (oldest first).
@@ -154,8 +161,9 @@ class DonorIndex:
         self._lru[key].last_used = self.clock()
 
     # ---- discovery and quality ----------------------------------------------------------------
-    def set_embedding(self, key: DonorKey, serial: int, embedding: "DocumentEmbedding",
-                      fingerprint: int) -> bool:
+    def set_embedding(
+        self, key: DonorKey, serial: int, embedding: "DocumentEmbedding", fingerprint: int
+    ) -> bool:
         """Attach a donor's embedding (computed off-thread for registration ``serial``) and make
         it searchable; False when that registration is gone (evicted, replaced) meanwhile."""
         record = self._lru.get(key)
@@ -163,8 +171,9 @@ class DonorIndex:
             return False
         record.embedding, record.fingerprint = embedding, fingerprint
         if self.vectors is not None and not record.demoted:
-            self.vectors.add_donor(key.namespace, key, embedding.vector, fingerprint,
-                                   record.prompt_token_ids)
+            self.vectors.add_donor(
+                key.namespace, key, embedding.vector, fingerprint, record.prompt_token_ids
+            )
         return True
 
     def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:
@@ -175,7 +184,7 @@ class DonorIndex:
             return []
         verdict = self.policy.on_deviation(record, deviation)
         if verdict == "demote" and self.vectors is not None and record.embedding is not None:
-            self.vectors.remove(key.namespace, key)   # no longer offered by discovery
+            self.vectors.remove(key.namespace, key)  # no longer offered by discovery
         if verdict == "evict":
             self.remove(key)
             return [key]
@@ -184,8 +193,9 @@ class DonorIndex:
     def records(self) -> list[DonorRecord]:
         return list(self._lru.values())
 
-    def longest_prefix(self, namespace: str, token_ids: Sequence[int],
-                       hashes: Sequence[bytes] | None = None) -> PrefixMatch | None:
+    def longest_prefix(
+        self, namespace: str, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None
+    ) -> PrefixMatch | None:
         """The donor of ``namespace`` sharing the longest block-aligned prefix with
         ``token_ids``."""
         table = self._by_hash.get(namespace)

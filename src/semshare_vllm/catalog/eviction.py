@@ -40,8 +40,11 @@ class EvictionPolicy:
         """Record one measured deviation of a reuse of ``record``; returns "keep", "demote" or
         "evict"."""
         record.deviation_reports += 1
-        record.deviation = (deviation if record.deviation_reports == 1 else
-                            DEVIATION_EMA * deviation + (1 - DEVIATION_EMA) * record.deviation)
+        record.deviation = (
+            deviation
+            if record.deviation_reports == 1
+            else DEVIATION_EMA * deviation + (1 - DEVIATION_EMA) * record.deviation
+        )
         return "keep"
 
 
@@ -82,8 +85,9 @@ class Divergence(EvictionPolicy):
         return "demote"
 
 
-def make_policy(name: str, *, half_life_s: float = 3600.0, threshold: float = 0.3,
-                clock=time.monotonic) -> EvictionPolicy:
+def make_policy(
+    name: str, *, half_life_s: float = 3600.0, threshold: float = 0.3, clock=time.monotonic
+) -> EvictionPolicy:
     if name == "lru":
         return EvictionPolicy()
     if name == "decay":

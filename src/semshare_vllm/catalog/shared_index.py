@@ -44,13 +44,13 @@ from semshare_vllm.logs import warn_once
 
 logger = logging.getLogger("vllm.semshare.shared_index")
 
-MAX_RECORDS = 100_000          # approximate stream length (XADD MAXLEN ~)
-READ_BATCH = 256               # records per XREAD
-BLOCK_MS = 100                 # how long one XREAD waits for records (publishes wait at most that)
-MAX_PENDING = 10_000           # records arrived but not yet taken by the scheduler
-RETRY_S = (0.2, 5.0)           # pause after a failure: first, largest (doubling)
-READY_WAIT_S = 120.0           # how long a record waits for its KV's readiness keys
-READY_TTL_S = 7 * 24 * 3600    # readiness keys expire (the KV is usually evicted sooner)
+MAX_RECORDS = 100_000  # approximate stream length (XADD MAXLEN ~)
+READ_BATCH = 256  # records per XREAD
+BLOCK_MS = 100  # how long one XREAD waits for records (publishes wait at most that)
+MAX_PENDING = 10_000  # records arrived but not yet taken by the scheduler
+RETRY_S = (0.2, 5.0)  # pause after a failure: first, largest (doubling)
+READY_WAIT_S = 120.0  # how long a record waits for its KV's readiness keys
+READY_TTL_S = 7 * 24 * 3600  # readiness keys expire (the KV is usually evicted sooner)
 
 
 def stream_name(fingerprint: str) -> str:
@@ -78,8 +78,7 @@ class KVReadyMarks:
         Redis is unreachable (the record then waits, then is dropped)."""
         value = sign_mark(digest, self.fingerprint, donor_id, self.rank, self._secret)
         try:
-            self._redis.set(ready_key(self.fingerprint, donor_id, self.rank), value,
-                            ex=READY_TTL_S)
+            self._redis.set(ready_key(self.fingerprint, donor_id, self.rank), value, ex=READY_TTL_S)
             return True
         except self._errors:
             return False
@@ -96,9 +95,18 @@ class SharedDonorFeed:
     dropped as unready that had a readiness mark not signed with it), shared_records_unready
     (their KV never became readable), shared_index_outages."""
 
-    def __init__(self, url: str, fingerprint: str, instance: str | None = None,
-                 ready_wait_s: float = READY_WAIT_S, *, secret: str, tp_size: int = 1,
-                 max_tokens: int = MAX_TOKENS, stats: StatsRecorder | None = None):
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        instance: str | None = None,
+        ready_wait_s: float = READY_WAIT_S,
+        *,
+        secret: str,
+        tp_size: int = 1,
+        max_tokens: int = MAX_TOKENS,
+        stats: StatsRecorder | None = None,
+    ):
         """``secret``: the key all instances sign with; ``tp_size``: this engine's
         tensor-parallel size (a record must have as many KV shards); ``max_tokens``: the most
         tokens a record may hold (the engine's max_model_len); ``stats``: the scheduler half's
@@ -122,14 +130,19 @@ class SharedDonorFeed:
         # whether a mark that does not verify was seen]
         self._unready: dict[str, list] = {}
         self.stats = StatsRecorder() if stats is None else stats
-        self._last_id = b"0-0"            # catch up from the stream's start
+        self._last_id = b"0-0"  # catch up from the stream's start
         self._down = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="semshare-shared-index",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name="semshare-shared-index", daemon=True
+        )
         self._thread.start()
-        logger.info("SemShare: sharing donors through stream %s at %s (this instance: %s)",
-                    self.stream, url, self.instance)
+        logger.info(
+            "SemShare: sharing donors through stream %s at %s (this instance: %s)",
+            self.stream,
+            url,
+            self.instance,
+        )
 
     # ---- scheduler thread ---------------------------------------------------------------------
     def publish(self, record: SharedDonor) -> None:
@@ -166,15 +179,19 @@ class SharedDonorFeed:
                 if not self._down:
                     self._down = True
                     self.stats.add("shared_index_outages")
-                    logger.warning("SemShare: the shared donor index at %s is unreachable (%s); "
-                                   "this instance goes on with its own donors and retries",
-                                   self.url, exc)
+                    logger.warning(
+                        "SemShare: the shared donor index at %s is unreachable (%s); "
+                        "this instance goes on with its own donors and retries",
+                        self.url,
+                        exc,
+                    )
                 self._stop.wait(pause)
                 pause = min(pause * 2, RETRY_S[1])
                 continue
-            except Exception as exc:   # a defect here must not end sharing for good
-                warn_once(logger, "shared_index", "SemShare: shared donor index: %s", exc,
-                          exc_info=exc)
+            except Exception as exc:  # a defect here must not end sharing for good
+                warn_once(
+                    logger, "shared_index", "SemShare: shared donor index: %s", exc, exc_info=exc
+                )
                 self._stop.wait(pause)
                 continue
             if self._down:
@@ -186,8 +203,7 @@ class SharedDonorFeed:
         while self._outbox:
             record = self._outbox.popleft()
             try:
-                fields = sign_record(record.encode(self.instance), self.fingerprint,
-                                     self._secret)
+                fields = sign_record(record.encode(self.instance), self.fingerprint, self._secret)
                 self._redis.xadd(self.stream, fields, maxlen=MAX_RECORDS, approximate=True)
             except Exception:
                 # Not retried: the donor's KV went into the same server, which may have lost it.
@@ -199,17 +215,23 @@ class SharedDonorFeed:
         reply = self._redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=BLOCK_MS)
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
-                self._last_id = entry_id          # first: no record can hold up the feed
+                self._last_id = entry_id  # first: no record can hold up the feed
                 try:
                     if fields.get(b"v") == FORMAT and not verify_record(
-                            fields, self.fingerprint, self._secret):
+                        fields, self.fingerprint, self._secret
+                    ):
                         self.stats.add("shared_records_forged")
-                        warn_once(logger, "shared_forged", "SemShare: a record on %s is not "
-                                  "signed with this instance's shared_index_secret (another "
-                                  "secret, or forged); dropped", self.stream)
+                        warn_once(
+                            logger,
+                            "shared_forged",
+                            "SemShare: a record on %s is not "
+                            "signed with this instance's shared_index_secret (another "
+                            "secret, or forged); dropped",
+                            self.stream,
+                        )
                         continue
                     instance, record = SharedDonor.decode(fields, self.tp_size, self.max_tokens)
-                except Exception as exc:          # whatever its bytes, it costs that record
+                except Exception as exc:  # whatever its bytes, it costs that record
                     self.stats.add("shared_records_dropped")
                     logger.debug("SemShare: unusable shared donor record %s: %s", entry_id, exc)
                     continue
@@ -228,22 +250,25 @@ class SharedDonorFeed:
             return
         waiting = list(self._unready.values())
         pipe = self._redis.pipeline(transaction=False)
-        for record, _, _ in waiting:     # ranks == tp_size (checked on arrival)
-            pipe.mget([ready_key(self.fingerprint, record.donor_id, r)
-                       for r in range(record.ranks)])
+        for record, _, _ in waiting:  # ranks == tp_size (checked on arrival)
+            pipe.mget(
+                [ready_key(self.fingerprint, record.donor_id, r) for r in range(record.ranks)]
+            )
         found = pipe.execute()
         now = time.monotonic()
         for entry, values in zip(waiting, found):
             record, since = entry[0], entry[1]
-            digests = [verify_mark(v, self.fingerprint, record.donor_id, r, self._secret)
-                       for r, v in enumerate(values)]
+            digests = [
+                verify_mark(v, self.fingerprint, record.donor_id, r, self._secret)
+                for r, v in enumerate(values)
+            ]
             if all(d is not None for d in digests):
                 del self._unready[record.donor_id]
                 record.kv_digests = digests
                 self._arrived.append(record)
                 continue
             if any(v is not None and d is None for v, d in zip(values, digests)):
-                entry[2] = True                  # a mark is there, not signed with the secret
+                entry[2] = True  # a mark is there, not signed with the secret
             if now - since > self.ready_wait_s:
                 del self._unready[record.donor_id]
                 self.stats.add("shared_records_unready")

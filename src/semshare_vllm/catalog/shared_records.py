@@ -28,14 +28,14 @@ import numpy as np
 
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 
-FORMAT = b"2"                  # 2: signed records and marks
-SIG = b"sig"                   # the record field holding its signature
+FORMAT = b"2"  # 2: signed records and marks
+SIG = b"sig"  # the record field holding its signature
 
 # What a record may hold (checked on arrival; beyond it the record is dropped).
-MAX_TOKENS = 1 << 20           # when the engine does not say (its max_model_len)
-MAX_NAME_BYTES = 1 << 16       # namespace, instance, embedder
+MAX_TOKENS = 1 << 20  # when the engine does not say (its max_model_len)
+MAX_NAME_BYTES = 1 << 16  # namespace, instance, embedder
 MAX_EMBED_DIM = 1 << 16
-MAX_EMBED_ELEMENTS = 1 << 24   # segments rows * dim
+MAX_EMBED_ELEMENTS = 1 << 24  # segments rows * dim
 _DECIMAL = re.compile(rb"0|[1-9][0-9]{0,19}")
 _DONOR_ID = re.compile(r"[0-9a-f]{32}")
 _DIGEST = re.compile(rb"[0-9a-f]{64}")
@@ -66,12 +66,15 @@ def sign_record(fields: dict[bytes, bytes], fingerprint: str, secret: str) -> di
 def verify_record(fields: dict[bytes, bytes], fingerprint: str, secret: str) -> bool:
     sig = fields.get(SIG)
     return isinstance(sig, bytes) and hmac.compare_digest(
-        sig, record_signature(fields, fingerprint, secret))
+        sig, record_signature(fields, fingerprint, secret)
+    )
 
 
 def _mark_mac(secret: str, fingerprint: str, donor_id: str, rank: int, digest: bytes) -> bytes:
-    return _mac(secret, [b"semshare-ready", fingerprint.encode(), donor_id.encode(),
-                         str(rank).encode(), digest])
+    return _mac(
+        secret,
+        [b"semshare-ready", fingerprint.encode(), donor_id.encode(), str(rank).encode(), digest],
+    )
 
 
 def kv_digest(rows, dtype=None) -> str:
@@ -95,8 +98,11 @@ def verify_mark(value, fingerprint: str, donor_id: str, rank: int, secret: str) 
     if not isinstance(value, bytes):
         return None
     digest, sep, mac = value.partition(b":")
-    if not sep or not _DIGEST.fullmatch(digest) or not hmac.compare_digest(
-            mac, _mark_mac(secret, fingerprint, donor_id, rank, digest)):
+    if (
+        not sep
+        or not _DIGEST.fullmatch(digest)
+        or not hmac.compare_digest(mac, _mark_mac(secret, fingerprint, donor_id, rank, digest))
+    ):
         return None
     return digest.decode()
 
@@ -116,32 +122,41 @@ class SharedDonor:
     donor_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    ranks: int = 1                          # tensor-parallel ranks holding a KV shard each
+    ranks: int = 1  # tensor-parallel ranks holding a KV shard each
     embedding: DocumentEmbedding | None = None
-    fingerprint: int | None = None          # the prompt's SimHash
-    embedder_id: str = ""                   # vectors from another embedder are not used
+    fingerprint: int | None = None  # the prompt's SimHash
+    embedder_id: str = ""  # vectors from another embedder are not used
     # per rank, the digest of the KV shard it put (from its signed readiness mark; not encoded)
     kv_digests: list[str] = field(default_factory=list)
 
     def encode(self, instance: str) -> dict[bytes, bytes]:
-        fields = {b"v": FORMAT, b"instance": instance.encode(), b"ns": self.namespace.encode(),
-                  b"id": self.donor_id.encode(),
-                  b"tokens": np.asarray(self.token_ids, dtype="<i4").tobytes(),
-                  b"prompt": str(self.num_prompt_tokens).encode(),
-                  b"ranks": str(self.ranks).encode(),
-                  b"embedder": self.embedder_id.encode()}
+        fields = {
+            b"v": FORMAT,
+            b"instance": instance.encode(),
+            b"ns": self.namespace.encode(),
+            b"id": self.donor_id.encode(),
+            b"tokens": np.asarray(self.token_ids, dtype="<i4").tobytes(),
+            b"prompt": str(self.num_prompt_tokens).encode(),
+            b"ranks": str(self.ranks).encode(),
+            b"embedder": self.embedder_id.encode(),
+        }
         if self.embedding is not None and self.fingerprint is not None:
             e = self.embedding
-            fields.update({b"vec": np.asarray(e.vector, dtype="<f4").tobytes(),
-                           b"seg": np.asarray(e.segments, dtype="<f4").tobytes(),
-                           b"seg_rows": str(len(e.segments)).encode(),
-                           b"enc_tokens": str(e.num_tokens).encode(),
-                           b"simhash": str(self.fingerprint).encode()})
+            fields.update(
+                {
+                    b"vec": np.asarray(e.vector, dtype="<f4").tobytes(),
+                    b"seg": np.asarray(e.segments, dtype="<f4").tobytes(),
+                    b"seg_rows": str(len(e.segments)).encode(),
+                    b"enc_tokens": str(e.num_tokens).encode(),
+                    b"simhash": str(self.fingerprint).encode(),
+                }
+            )
         return fields
 
     @classmethod
-    def decode(cls, fields: dict[bytes, bytes], ranks: int | None = None,
-               max_tokens: int = MAX_TOKENS) -> "tuple[str, SharedDonor]":
+    def decode(
+        cls, fields: dict[bytes, bytes], ranks: int | None = None, max_tokens: int = MAX_TOKENS
+    ) -> "tuple[str, SharedDonor]":
         """(publishing instance, record); raises ValueError (or KeyError) for a record this format
         cannot read, or one that does not fit this engine: ``ranks`` other than its
         tensor-parallel size, more than ``max_tokens`` tokens, a field out of range. (Its
@@ -159,7 +174,7 @@ class SharedDonor:
             value = raw(name)
             if len(value) > limit:
                 raise ValueError(f"{name!r}: {len(value)} bytes")
-            return value.decode("utf-8")           # UnicodeDecodeError is a ValueError
+            return value.decode("utf-8")  # UnicodeDecodeError is a ValueError
 
         def number(name: bytes, lo: int, hi: int) -> int:
             value = raw(name)
@@ -177,13 +192,19 @@ class SharedDonor:
         tokens = np.frombuffer(packed, dtype="<i4")
         if (tokens < 0).any():
             raise ValueError("a negative token id")
-        record = cls(namespace, donor_id, tokens.astype(np.int64).tolist(),
-                     number(b"prompt", 1, len(tokens)), number(b"ranks", 1, 1 << 16),
-                     embedder_id=embedder)
+        record = cls(
+            namespace,
+            donor_id,
+            tokens.astype(np.int64).tolist(),
+            number(b"prompt", 1, len(tokens)),
+            number(b"ranks", 1, 1 << 16),
+            embedder_id=embedder,
+        )
         if ranks is not None and record.ranks != ranks:
             raise ValueError(f"{record.ranks} ranks; this engine has {ranks}")
-        present = [name in fields for name in (b"vec", b"seg", b"seg_rows", b"enc_tokens",
-                                               b"simhash")]
+        present = [
+            name in fields for name in (b"vec", b"seg", b"seg_rows", b"enc_tokens", b"simhash")
+        ]
         if any(present):
             if not all(present):
                 raise ValueError("a partial embedding")
@@ -194,11 +215,12 @@ class SharedDonor:
             rows = number(b"seg_rows", 1, MAX_EMBED_ELEMENTS // dim)
             if len(seg) != rows * dim * 4:
                 raise ValueError(f"{len(seg)} bytes of segments, not {rows} x {dim} float32")
-            vector = np.frombuffer(vec, dtype="<f4").astype(np.float32)      # a copy
+            vector = np.frombuffer(vec, dtype="<f4").astype(np.float32)  # a copy
             segments = np.frombuffer(seg, dtype="<f4").astype(np.float32).reshape(rows, dim)
             if not (np.isfinite(vector).all() and np.isfinite(segments).all()):
                 raise ValueError("a non-finite embedding")
-            record.embedding = DocumentEmbedding(vector, segments,
-                                                 number(b"enc_tokens", 0, 1 << 40))
+            record.embedding = DocumentEmbedding(
+                vector, segments, number(b"enc_tokens", 0, 1 << 40)
+            )
             record.fingerprint = number(b"simhash", 0, 2**64 - 1)
         return instance, record

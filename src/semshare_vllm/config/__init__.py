@@ -27,13 +27,31 @@ from semshare_vllm.config.recompute import RecomputeConfig
 from semshare_vllm.config.sharing import SharingConfig
 from semshare_vllm.config.store import StoreConfig
 
-__all__ = ["ALIGN_STAGES", "ENV_PREFIX", "LSH_ROPE_STYLES", "SECTIONS", "AlignmentConfig",
-           "DiscoveryConfig", "RecomputeConfig", "Section", "SemShareConfig", "SemShareConfigError",
-           "SharingConfig", "StoreConfig", "cache_dir", "check_lsh"]
+__all__ = [
+    "ALIGN_STAGES",
+    "ENV_PREFIX",
+    "LSH_ROPE_STYLES",
+    "SECTIONS",
+    "AlignmentConfig",
+    "DiscoveryConfig",
+    "RecomputeConfig",
+    "Section",
+    "SemShareConfig",
+    "SemShareConfigError",
+    "SharingConfig",
+    "StoreConfig",
+    "cache_dir",
+    "check_lsh",
+]
 
 # The sections, in the order of their keys (and of docs/configuration.md).
 SECTIONS: tuple[type[Section], ...] = (
-    StoreConfig, SharingConfig, DiscoveryConfig, AlignmentConfig, RecomputeConfig)
+    StoreConfig,
+    SharingConfig,
+    DiscoveryConfig,
+    AlignmentConfig,
+    RecomputeConfig,
+)
 
 
 # A dataclass takes its bases' fields from the last base to the first: the bases are listed in
@@ -48,8 +66,9 @@ class SemShareConfig(RecomputeConfig, AlignmentConfig, DiscoveryConfig, SharingC
         # Rules across sections would go here; none so far.
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None,
-                          environ: Mapping[str, str] | None = None) -> "SemShareConfig":
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> "SemShareConfig":
         """Validate ``extra`` (+ ``SEMSHARE_*`` overrides); SemShareConfigError on any fault."""
         environ = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -58,20 +77,23 @@ class SemShareConfig(RecomputeConfig, AlignmentConfig, DiscoveryConfig, SharingC
             if key not in fields:
                 raise SemShareConfigError(
                     f"kv_connector_extra_config: unknown key {key!r}; allowed keys: "
-                    f"{', '.join(sorted(fields))}")
-            values[key] = coerce(fields[key], raw, f"kv_connector_extra_config[{key!r}]",
-                                 from_env=False)
+                    f"{', '.join(sorted(fields))}"
+                )
+            values[key] = coerce(
+                fields[key], raw, f"kv_connector_extra_config[{key!r}]", from_env=False
+            )
         for name, f in fields.items():
             env_key = ENV_PREFIX + name.upper()
             if env_key in environ:
                 values[name] = coerce(f, environ[env_key], env_key, from_env=True)
         for env_key in environ:
-            if env_key.startswith(ENV_PREFIX) and env_key[len(ENV_PREFIX):].lower() not in fields:
+            if env_key.startswith(ENV_PREFIX) and env_key[len(ENV_PREFIX) :].lower() not in fields:
                 if env_key in _OTHER_SEMSHARE_ENV:
                     continue
                 raise SemShareConfigError(
                     f"environment: unknown variable {env_key}; allowed: "
-                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))}")
+                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))}"
+                )
         return cls(**values)
 
 
@@ -83,7 +105,8 @@ def cache_dir() -> Path:
     """Where derived files live (the embedder's ONNX export, the test bed's converted models):
     ``$SEMSHARE_CACHE_DIR``, else ``~/.cache/semshare-vllm``."""
     root = os.environ.get("SEMSHARE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "semshare-vllm")
+        os.path.expanduser("~"), ".cache", "semshare-vllm"
+    )
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -12,20 +12,47 @@ from typing import Any
 
 ENV_PREFIX = "SEMSHARE_"
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class SemShareConfigError(ValueError):
     """A bad configuration value; the message names the key."""
 
 
-def knob(default: Any, doc: str, *, minimum: float | None = None, maximum: float | None = None,
-         size: bool = False, choices: tuple[str, ...] | None = None, secret: bool = False):
+def knob(
+    default: Any,
+    doc: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    size: bool = False,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+):
     # secret: never shown (repr, describe(), which the connector logs)
-    return field(default=default, repr=not secret,
-                 metadata={"doc": doc, "min": minimum, "max": maximum, "size": size,
-                           "choices": choices, "secret": secret})
+    return field(
+        default=default,
+        repr=not secret,
+        metadata={
+            "doc": doc,
+            "min": minimum,
+            "max": maximum,
+            "size": size,
+            "choices": choices,
+            "secret": secret,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -88,8 +115,11 @@ def coerce(f: dataclasses.Field, raw: Any, where: str, *, from_env: bool) -> Any
 def _as_bool(raw: Any, where: str, from_env: bool) -> bool:
     if isinstance(raw, bool):
         return raw
-    if from_env and isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on",
-                                                                      "0", "false", "no", "off"):
+    if (
+        from_env
+        and isinstance(raw, str)
+        and raw.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off")
+    ):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     raise SemShareConfigError(f"{where}: expected true or false, got {raw!r}")
 
@@ -121,5 +151,6 @@ def _as_size(raw: Any, where: str) -> int:
         if m and m.group(2).upper() in _SIZE_UNITS:
             return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     raise SemShareConfigError(
-        f"{where}: expected a byte count (integer, or a string like \"512MiB\" or \"4GiB\"), "
-        f"got {raw!r}")
+        f'{where}: expected a byte count (integer, or a string like "512MiB" or "4GiB"), '
+        f"got {raw!r}"
+    )

@@ -15,46 +15,72 @@ class RecomputeConfig(Section):
     TITLE = "Selective recompute"
 
     recompute_policy: str = knob(
-        "cacheblend", "Which loaded tokens are recomputed through the model after their donor KV "
-        "is written, for approximate (semantic) loads: \"cacheblend\" (every loaded token up "
+        "cacheblend",
+        "Which loaded tokens are recomputed through the model after their donor KV "
+        'is written, for approximate (semantic) loads: "cacheblend" (every loaded token up '
         "to recompute_check_layer, then the recompute_ratio with the highest K/V deviation), "
-        "\"semsharekv\" (layer 0 in full, then hot / cold tokens by attention recovery, a "
-        "budget decaying with depth), \"all\" (every loaded token, exact loads included: the "
+        '"semsharekv" (layer 0 in full, then hot / cold tokens by attention recovery, a '
+        'budget decaying with depth), "all" (every loaded token, exact loads included: the '
         "output equals a cold run and nothing is saved; checks the hook and runner in a "
-        "deployment), \"none\". Exact-prefix loads are never repaired except under \"all\". "
-        "With \"none\" there are no semantic hits (approximate KV is never used unrepaired).",
-        choices=("none", "all", "cacheblend", "semsharekv"))
+        'deployment), "none". Exact-prefix loads are never repaired except under "all". '
+        'With "none" there are no semantic hits (approximate KV is never used unrepaired).',
+        choices=("none", "all", "cacheblend", "semsharekv"),
+    )
     recompute_ratio: float = knob(
-        0.15, "CacheBlend: share of the loaded tokens recomputed after the check layer "
+        0.15,
+        "CacheBlend: share of the loaded tokens recomputed after the check layer "
         "(CacheBlend's own default).",
-        minimum=0.0, maximum=1.0)
+        minimum=0.0,
+        maximum=1.0,
+    )
     recompute_min_tokens: int = knob(
-        0, "CacheBlend: recompute at least this many loaded tokens after the check layer, "
+        0,
+        "CacheBlend: recompute at least this many loaded tokens after the check layer, "
         "whatever recompute_ratio gives (short prompts: 15% of a few hundred tokens can leave a "
         "near-tie answer to the donor's context). On 512-token cross-instruction pairs "
         "(SmolLM2-135M, CPU, 6 pairs) a floor of 160 (29%) raised the median ROUGE-L of the "
         "hit's 32 greedy tokens against cold's from 0.56 to 0.71. 0: the ratio alone.",
-        minimum=0)
+        minimum=0,
+    )
     recompute_check_layer: int = knob(
-        1, "CacheBlend: the layer (0-based) up to which every loaded token is recomputed and "
-        "where deviations are measured.", minimum=0)
+        1,
+        "CacheBlend: the layer (0-based) up to which every loaded token is recomputed and "
+        "where deviations are measured.",
+        minimum=0,
+    )
     recompute_run_head: int = knob(
-        4, "Always recomputed: this many first tokens of every aligned run (they attended to "
+        4,
+        "Always recomputed: this many first tokens of every aligned run (they attended to "
         "other tokens in the donor; measured: 3x the K/V error of the rest of a run).",
-        minimum=0)
-    recompute_tail: int = knob(
-        8, "Always recomputed: this many last loaded tokens.", minimum=0)
+        minimum=0,
+    )
+    recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)
     semsharekv_hot_threshold: float = knob(
-        0.55, "SemShareKV: share of the last tokens' attention that the hot tokens hold "
-        "(attention recovery).", minimum=0.0, maximum=1.0)
+        0.55,
+        "SemShareKV: share of the last tokens' attention that the hot tokens hold "
+        "(attention recovery).",
+        minimum=0.0,
+        maximum=1.0,
+    )
     semsharekv_hot_ratio: float = knob(
-        0.5, "SemShareKV: share of the hot tokens recomputed (highest deviation first).",
-        minimum=0.0, maximum=1.0)
+        0.5,
+        "SemShareKV: share of the hot tokens recomputed (highest deviation first).",
+        minimum=0.0,
+        maximum=1.0,
+    )
     semsharekv_cold_ratio: float = knob(
-        0.1, "SemShareKV: share of the cold tokens recomputed.", minimum=0.0, maximum=1.0)
+        0.1, "SemShareKV: share of the cold tokens recomputed.", minimum=0.0, maximum=1.0
+    )
     semsharekv_layer_decay: float = knob(
-        0.9, "SemShareKV: the recompute budget is multiplied by this per layer after layer 0 "
-        "(the paper's constant is unpublished).", minimum=0.0, maximum=1.0)
+        0.9,
+        "SemShareKV: the recompute budget is multiplied by this per layer after layer 0 "
+        "(the paper's constant is unpublished).",
+        minimum=0.0,
+        maximum=1.0,
+    )
     semsharekv_window: int = knob(
-        32, "SemShareKV: how many last tokens' attention defines hot tokens (unpublished in "
-        "the paper; an independent reimplementation uses 32).", minimum=1)
+        32,
+        "SemShareKV: how many last tokens' attention defines hot tokens (unpublished in "
+        "the paper; an independent reimplementation uses 32).",
+        minimum=1,
+    )

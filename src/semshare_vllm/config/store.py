@@ -17,31 +17,42 @@ class StoreConfig(Section):
     host_store_bytes: int = knob(
         4 * 2**30,
         "Host-memory pool for donor KV, per tensor-parallel rank, allocated at start-up. Least "
-        "recently used donors are evicted past it. Integer bytes or a string such as \"8GiB\". "
+        'recently used donors are evicted past it. Integer bytes or a string such as "8GiB". '
         "Lowered at start-up, with a warning, to half the host memory then available (on CPU, "
         "vLLM gives its own KV cache most of RAM unless VLLM_CPU_KVCACHE_SPACE is set).",
-        minimum=0, size=True)
+        minimum=0,
+        size=True,
+    )
     persist_dir: str | None = knob(
         None,
         "Directory where donors are also written (atomically: temp file, fsync, rename) and "
         "found again after a restart. Unset: memory only. Corrupt or truncated files are skipped "
         "with a warning; partial files a killed writer left are removed at start-up (counted as "
-        "persisted_incomplete).")
-    capture: bool = knob(
-        True, "Capture the KV of finished requests as donors.")
+        "persisted_incomplete).",
+    )
+    capture: bool = knob(True, "Capture the KV of finished requests as donors.")
     min_donor_tokens: int = knob(
-        32, "Requests with fewer computed tokens than this are not captured.", minimum=1)
+        32, "Requests with fewer computed tokens than this are not captured.", minimum=1
+    )
     eviction_policy: str = knob(
-        "lru", "Which donor leaves when the store is full: \"lru\" (least recently used), "
-        "\"decay\" (LLMCache's staleness decay: (1 + hits) halved per decay_half_life_s idle; "
-        "lowest first), \"divergence\" (donors whose reuses measured high deviation are "
+        "lru",
+        'Which donor leaves when the store is full: "lru" (least recently used), '
+        '"decay" (LLMCache\'s staleness decay: (1 + hits) halved per decay_half_life_s idle; '
+        'lowest first), "divergence" (donors whose reuses measured high deviation are '
         "demoted, i.e. no longer offered, and evicted first; then LRU).",
-        choices=("lru", "decay", "divergence"))
+        choices=("lru", "decay", "divergence"),
+    )
     decay_half_life_s: float = knob(
-        3600.0, "With eviction_policy \"decay\": a donor's hit count halves in value after "
-        "this many seconds unused.", minimum=1e-3)
+        3600.0,
+        'With eviction_policy "decay": a donor\'s hit count halves in value after '
+        "this many seconds unused.",
+        minimum=1e-3,
+    )
     divergence_threshold: float = knob(
-        0.3, "With eviction_policy \"divergence\": measured deviation (0-1; a moving average "
+        0.3,
+        'With eviction_policy "divergence": measured deviation (0-1; a moving average '
         "over the donor's reuses, the latest weighing half; from its 3rd reuse on) above which "
         "a donor is demoted (no longer offered); reported high again, it is evicted.",
-        minimum=0.0, maximum=1.0)
+        minimum=0.0,
+        maximum=1.0,
+    )

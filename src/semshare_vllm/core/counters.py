@@ -23,7 +23,7 @@ COUNTERS: dict[str, str] = {
     "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",
     "semantic_misses": "searches that finished and found none",
     "lookups_without_shared_grams": "of those, answered at once: no donor shares enough token "
-                                    "4-grams to be aligned (lookup_min_shared_grams)",
+    "4-grams to be aligned (lookup_min_shared_grams)",
     "lookup_timeouts": "searches not finished by lookup_deadline_ms (request went on without)",
     "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
     "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",
@@ -31,16 +31,16 @@ COUNTERS: dict[str, str] = {
     "embed_ms": "milliseconds the discovery threads spent embedding (lookups and donors)",
     "discovery_faults": "discovery jobs that failed (the request went on without)",
     "donors_published": "donors announced on the shared index (their KV readable in LMCache's "
-                        "remote backend)",
+    "remote backend)",
     "donors_shared_in": "donors other instances announced, added to this instance's index",
     "shared_records_dropped": "shared-index records not used (unreadable, id not matching "
-                              "their tokens, backlog full)",
+    "their tokens, backlog full)",
     "shared_records_forged": "shared-index records, or the readiness marks of their KV, not "
-                             "signed with shared_index_secret (dropped)",
+    "signed with shared_index_secret (dropped)",
     "shared_records_unready": "shared-index records dropped because their KV never became "
-                              "readable (the announcing instance's LMCache put failed)",
+    "readable (the announcing instance's LMCache put failed)",
     "shared_index_outages": "times the shared index became unreachable (this instance went on "
-                            "with its own donors until it was back)",
+    "with its own donors until it was back)",
     "shared_publish_failures": "donor announcements lost to a shared-index outage",
     "semantic_hits": "requests served from a semantic (aligned, not exact-prefix) donor",
     "exact_reused_tokens": "of the semantic hits' claimed tokens, those given the same token's KV",
@@ -60,23 +60,23 @@ COUNTERS: dict[str, str] = {
     "tier_fetched_tokens": "tokens of donor KV fetched from the LMCache tier",
     "tier_fetch_ms": "milliseconds spent fetching donor KV from the LMCache tier",
     "tier_digest_mismatches": "another instance's donor KV fetched from the LMCache tier that "
-                              "was not what its rank signed (the load failed: recomputed)",
+    "was not what its rank signed (the load failed: recomputed)",
     "capture_ms": "milliseconds spent capturing donor KV",
     "recomputed_tokens": "loaded tokens recomputed through the model (in their first layer)",
     "recomputed_token_layers": "token-layers recomputed (a token recomputed in 3 layers: 3)",
     "recompute_unavailable_tokens": "loaded tokens needing repair with no layer runner here "
-                                    "(reported failed: vLLM computed them)",
+    "(reported failed: vLLM computed them)",
     "recompute_failures": "recomputes that failed (vLLM computed those tokens instead)",
     "recompute_ms": "milliseconds spent recomputing loaded tokens",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
-                     "deviation of the loaded tokens at the policy's check layer)",
+    "deviation of the loaded tokens at the policy's check layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",
     "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
     "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",
     "unkeyable_requests": "requests never served nor captured: their token ids do not say what "
-                          "their KV is (prompt embeddings)",
+    "their KV is (prompt embeddings)",
     "failed_blocks_uncached": "blocks of failed loads (and those computed after them) taken out "
-                              "of vLLM's prefix cache",
+    "of vLLM's prefix cache",
 }
 
 

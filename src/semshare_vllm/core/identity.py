@@ -31,8 +31,10 @@ def namespace_of(request) -> str:
         extras["lora"] = [str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")]
     features = getattr(request, "mm_features", None)
     if features:
-        extras["mm"] = [[str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)]
-                        for f in features]
+        extras["mm"] = [
+            [str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)]
+            for f in features
+        ]
     if not extras and not salt.startswith(_MARK):
         return salt
     return _MARK + json.dumps([salt, extras], sort_keys=True, separators=(",", ":"))
@@ -48,12 +50,13 @@ def semantic_allowed(request) -> bool:
     multimodal placeholders get other positions (M-RoPE) in some models, and the repair runs
     the model's layers outside vLLM's batch (LoRA layers would apply the batch's adapters), so
     multimodal and LoRA requests reuse exact prefixes only."""
-    return not getattr(request, "mm_features", None) and \
-        getattr(request, "lora_request", None) is None
+    return (
+        not getattr(request, "mm_features", None) and getattr(request, "lora_request", None) is None
+    )
 
 
 def tenant_of(namespace: str) -> str:
     """The ``cache_salt`` part of a namespace (for logs: never a whole identity)."""
     if not namespace.startswith(_MARK):
         return namespace
-    return json.loads(namespace[len(_MARK):])[0]
+    return json.loads(namespace[len(_MARK) :])[0]

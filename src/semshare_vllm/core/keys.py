@@ -37,7 +37,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     out: list[bytes] = []
     prev = b""
     for i in range(len(tokens) // block_size):
-        prev = hashlib.blake2b(prev + tokens[i * block_size:(i + 1) * block_size].tobytes(),
-                               digest_size=16).digest()
+        prev = hashlib.blake2b(
+            prev + tokens[i * block_size : (i + 1) * block_size].tobytes(), digest_size=16
+        ).digest()
         out.append(prev)
     return out

@@ -32,9 +32,9 @@ _export_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class DocumentEmbedding:
-    vector: np.ndarray     # [dim] float32, L2-normalised; zeros for an empty text
-    segments: np.ndarray   # [windows, dim] float32, each L2-normalised
-    num_tokens: int        # encoder tokens in the text
+    vector: np.ndarray  # [dim] float32, L2-normalised; zeros for an empty text
+    segments: np.ndarray  # [windows, dim] float32, each L2-normalised
+    num_tokens: int  # encoder tokens in the text
 
 
 def packaged_minilm() -> Path:
@@ -49,8 +49,9 @@ def packaged_minilm() -> Path:
     return path
 
 
-def embedder_identity(model_dir: str | Path | None = None, window: int = 256,
-                      overlap: int = 32) -> str:
+def embedder_identity(
+    model_dir: str | Path | None = None, window: int = 256, overlap: int = 32
+) -> str:
     """What decides the vectors (the model's files and the windowing), not which runner: the
     two runners agree, so a snapshot made with one serves the other."""
     model_dir = Path(model_dir) if model_dir else packaged_minilm()
@@ -66,6 +67,7 @@ def resolve_device(device: str) -> str:
         return device
     try:
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:  # pragma: no cover - torch is always there with vLLM
         return "cpu"
@@ -74,8 +76,16 @@ def resolve_device(device: str) -> str:
 class Embedder:
     """Tokenise, window, run the model (``_encode``, per runner), pool."""
 
-    def __init__(self, model_dir: str | Path, *, window: int = 256, overlap: int = 32,
-                 batch_size: int = 16, device: str = "auto", threads: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        window: int = 256,
+        overlap: int = 32,
+        batch_size: int = 16,
+        device: str = "auto",
+        threads: int = 0,
+    ):
         from tokenizers import Tokenizer
 
         self.model_dir = Path(model_dir)
@@ -112,7 +122,7 @@ class Embedder:
         vectors = np.zeros((len(windows), self.dim), dtype=np.float32)
         order = np.argsort([len(w) for w in windows], kind="stable")  # batch similar lengths
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             ids, mask = self._pad([windows[i] for i in chunk])
             vectors[chunk] = self._encode(ids, mask)
         owners_arr = np.asarray(owners, dtype=np.int64)
@@ -120,10 +130,12 @@ class Embedder:
         for doc, enc in enumerate(encodings):
             segs = vectors[owners_arr == doc]
             # Windows weigh by their length: a short tail window counts for what it covers.
-            lengths = np.asarray([len(windows[i]) for i in np.flatnonzero(owners_arr == doc)],
-                                 dtype=np.float32)
-            pooled = (segs * lengths[:, None]).sum(0) if len(segs) else np.zeros(self.dim,
-                                                                                 np.float32)
+            lengths = np.asarray(
+                [len(windows[i]) for i in np.flatnonzero(owners_arr == doc)], dtype=np.float32
+            )
+            pooled = (
+                (segs * lengths[:, None]).sum(0) if len(segs) else np.zeros(self.dim, np.float32)
+            )
             out.append(DocumentEmbedding(_normalise(pooled), segs, len(enc.ids)))
         return out
 
@@ -131,16 +143,15 @@ class Embedder:
         body = self.window - 2
         step = body - self.overlap
         starts = list(range(0, max(len(ids) - self.overlap, 1), step)) if len(ids) else []
-        return [np.concatenate(([self.cls_id], ids[s:s + body], [self.sep_id]))
-                for s in starts]
+        return [np.concatenate(([self.cls_id], ids[s : s + body], [self.sep_id])) for s in starts]
 
     def _pad(self, windows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         width = max(len(w) for w in windows)
         ids = np.full((len(windows), width), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(windows), width), dtype=np.int64)
         for i, w in enumerate(windows):
-            ids[i, :len(w)] = w
-            mask[i, :len(w)] = 1
+            ids[i, : len(w)] = w
+            mask[i, : len(w)] = 1
         return ids, mask
 
     # per runner
@@ -163,8 +174,9 @@ class SentenceTransformerEmbedder(Embedder):
         from sentence_transformers import SentenceTransformer
 
         self._torch = torch
-        self.model = SentenceTransformer(str(self.model_dir), device=self.device,
-                                         local_files_only=True)
+        self.model = SentenceTransformer(
+            str(self.model_dir), device=self.device, local_files_only=True
+        )
         if self.device.startswith("cuda"):
             self.model.half()
         self.model.eval()
@@ -174,9 +186,11 @@ class SentenceTransformerEmbedder(Embedder):
     def _encode(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
-            features = {"input_ids": torch.from_numpy(ids).to(self.device),
-                        "attention_mask": torch.from_numpy(mask).to(self.device),
-                        "token_type_ids": torch.zeros_like(torch.from_numpy(ids)).to(self.device)}
+            features = {
+                "input_ids": torch.from_numpy(ids).to(self.device),
+                "attention_mask": torch.from_numpy(mask).to(self.device),
+                "token_type_ids": torch.zeros_like(torch.from_numpy(ids)).to(self.device),
+            }
             out = self.model(features)["sentence_embedding"]  # pooled and normalised by the model
             return out.float().cpu().numpy()
 
@@ -192,8 +206,10 @@ class OnnxEmbedder(Embedder):
             if "CUDAExecutionProvider" in ort.get_available_providers():
                 providers.insert(0, "CUDAExecutionProvider")
             else:
-                logger.warning("SemShare: onnxruntime has no CUDA provider (install "
-                               "onnxruntime-gpu); the ONNX embedder runs on CPU")
+                logger.warning(
+                    "SemShare: onnxruntime has no CUDA provider (install "
+                    "onnxruntime-gpu); the ONNX embedder runs on CPU"
+                )
                 self.device = "cpu"
         opts = ort.SessionOptions()
         # Inside a serving engine: on CPU one thread that sleeps when idle, so the embedder
@@ -237,8 +253,11 @@ def _export(model_dir: Path, out: Path) -> None:
             self.encoder = encoder
 
         def forward(self, input_ids, attention_mask):
-            hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                  token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+            hidden = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=torch.zeros_like(input_ids),
+            ).last_hidden_state
             m = attention_mask.unsqueeze(-1).to(hidden.dtype)
             mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
             return torch.nn.functional.normalize(mean, dim=-1)
@@ -249,12 +268,20 @@ def _export(model_dir: Path, out: Path) -> None:
     os.close(fd)
     try:
         with torch.inference_mode(), _export_lock:  # torch.onnx.export is not thread-safe
-            torch.onnx.export(model, (ids, torch.ones_like(ids)), tmp, dynamo=False,
-                              opset_version=17, input_names=["input_ids", "attention_mask"],
-                              output_names=["embedding"],
-                              dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
-                                            "attention_mask": {0: "batch", 1: "seq"},
-                                            "embedding": {0: "batch"}})
+            torch.onnx.export(
+                model,
+                (ids, torch.ones_like(ids)),
+                tmp,
+                dynamo=False,
+                opset_version=17,
+                input_names=["input_ids", "attention_mask"],
+                output_names=["embedding"],
+                dynamic_axes={
+                    "input_ids": {0: "batch", 1: "seq"},
+                    "attention_mask": {0: "batch", 1: "seq"},
+                    "embedding": {0: "batch"},
+                },
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

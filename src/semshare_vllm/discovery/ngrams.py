@@ -24,8 +24,8 @@ from typing import Hashable, Sequence
 import numpy as np
 
 GRAM = 4
-SAMPLE = 4            # keep hashes that are 0 mod SAMPLE
-MERGE_AFTER = 64      # recent donors searched one by one before they join the sorted array
+SAMPLE = 4  # keep hashes that are 0 mod SAMPLE
+MERGE_AFTER = 64  # recent donors searched one by one before they join the sorted array
 
 
 def sample_grams(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -37,7 +37,7 @@ def sample_grams(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     h = np.zeros(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(GRAM):
-            h = (h * np.uint64(0x9E3779B97F4A7C15)) ^ tokens[j:j + n]
+            h = (h * np.uint64(0x9E3779B97F4A7C15)) ^ tokens[j : j + n]
             h = (h * np.uint64(0xBF58476D1CE4E5B9)) ^ (h >> np.uint64(29))
     return np.unique(h[h % np.uint64(SAMPLE) == 0])
 
@@ -48,8 +48,8 @@ class GramTable:
     def __init__(self):
         self._grams: dict[Hashable, np.ndarray] = {}
         self._recent: list[Hashable] = []
-        self._hashes = np.zeros(0, dtype=np.uint64)   # sorted
-        self._rows = np.zeros(0, dtype=np.int64)      # donor row of each hash
+        self._hashes = np.zeros(0, dtype=np.uint64)  # sorted
+        self._rows = np.zeros(0, dtype=np.int64)  # donor row of each hash
         self._row_keys: list[Hashable] = []
 
     def __len__(self) -> int:
@@ -62,7 +62,7 @@ class GramTable:
             self._merge()
 
     def remove(self, key: Hashable) -> None:
-        self._grams.pop(key, None)   # its merged rows are skipped until the next merge
+        self._grams.pop(key, None)  # its merged rows are skipped until the next merge
 
     def top(self, grams: np.ndarray, k: int) -> list[tuple[Hashable, float]]:
         """The ``k`` donors holding the largest shares of ``grams``, best first (none: [])."""
@@ -79,13 +79,14 @@ class GramTable:
                 counts = np.bincount(self._rows[first + np.arange(int(lens.sum()))])
                 for row in np.flatnonzero(counts):
                     key = self._row_keys[row]
-                    if key in self._grams:   # removed since the merge: skipped
+                    if key in self._grams:  # removed since the merge: skipped
                         held[key] = int(counts[row])
         for key in self._recent:
             mine = self._grams.get(key)
             if mine is not None:
-                held[key] = max(held.get(key, 0),
-                                int(np.isin(grams, mine, assume_unique=True).sum()))
+                held[key] = max(
+                    held.get(key, 0), int(np.isin(grams, mine, assume_unique=True).sum())
+                )
         best = sorted(held.items(), key=lambda kv: -kv[1])[:k]
         return [(key, count / len(grams)) for key, count in best if count > 0]
 

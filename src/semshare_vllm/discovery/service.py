@@ -55,10 +55,10 @@ BACKGROUND_NICE = 10
 @dataclass
 class Lookup:
     candidates: list[Candidate]
-    embedding: DocumentEmbedding | None   # None when SimHash or shared grams answered
+    embedding: DocumentEmbedding | None  # None when SimHash or shared grams answered
     fingerprint: int
     embed_ms: float = 0.0
-    no_shared_grams: bool = False         # answered without embedding: no donor shares grams
+    no_shared_grams: bool = False  # answered without embedding: no donor shares grams
 
 
 @dataclass
@@ -68,7 +68,6 @@ class Embedded:
     embedding: DocumentEmbedding
     fingerprint: int
     embed_ms: float
-
 
 
 class _JobThread:
@@ -108,13 +107,22 @@ class _JobThread:
 
 
 class DiscoveryService:
-    def __init__(self, make_embedder: Callable[[], Embedder], detokenize: Callable[[list], str],
-                 index: VectorIndex, *, top_k: int, threshold: float, embedder_id: str,
-                 min_shared_grams: float = 0.0, gram_match_share: float = GRAM_MATCH_SHARE,
-                 stats: StatsRecorder | None = None):
+    def __init__(
+        self,
+        make_embedder: Callable[[], Embedder],
+        detokenize: Callable[[list], str],
+        index: VectorIndex,
+        *,
+        top_k: int,
+        threshold: float,
+        embedder_id: str,
+        min_shared_grams: float = 0.0,
+        gram_match_share: float = GRAM_MATCH_SHARE,
+        stats: StatsRecorder | None = None,
+    ):
         """``stats``: the recorder faults are counted into, from the discovery threads."""
         self.index = index
-        self.embedder_id = embedder_id   # what snapshots are tagged with
+        self.embedder_id = embedder_id  # what snapshots are tagged with
         self.top_k = top_k
         self.threshold = threshold
         self.min_shared_grams = min_shared_grams
@@ -123,7 +131,7 @@ class DiscoveryService:
         self._detokenize = detokenize
         self._embedder: Embedder | None = None
         self._embedder_lock = threading.Lock()
-        self.failed: str | None = None         # why discovery is off, once it is
+        self.failed: str | None = None  # why discovery is off, once it is
         self._embedded: collections.deque[Embedded] = collections.deque()
         self.stats = StatsRecorder() if stats is None else stats
         self._registering = True
@@ -148,13 +156,15 @@ class DiscoveryService:
         stop."""
         return self._put(self._background, job, while_registering=True)
 
-    def _put(self, thread: _JobThread, job: Callable[[], object],
-             while_registering: bool = False) -> Future:
+    def _put(
+        self, thread: _JobThread, job: Callable[[], object], while_registering: bool = False
+    ) -> Future:
         future: Future = Future()
 
         def run_job():
-            if (while_registering and not self._registering) or \
-                    not future.set_running_or_notify_cancel():
+            if (
+                while_registering and not self._registering
+            ) or not future.set_running_or_notify_cancel():
                 future.cancel()
                 return
             try:
@@ -162,11 +172,17 @@ class DiscoveryService:
             except Exception as exc:
                 self._fault("job", exc)
                 future.set_exception(exc)
+
         thread.put(run_job)
         return future
 
-    def register(self, key: Hashable, serial: int, token_ids: list[int],
-                 then: Callable[[Embedded], None] | None = None) -> None:
+    def register(
+        self,
+        key: Hashable,
+        serial: int,
+        token_ids: list[int],
+        then: Callable[[Embedded], None] | None = None,
+    ) -> None:
         """Embed a donor; ``then(embedded)``, if given, runs on the background thread after."""
         self._background.put(lambda: self._register(key, serial, token_ids, then))
 
@@ -180,6 +196,7 @@ class DiscoveryService:
             except Exception as exc:
                 self._fault("snapshot", exc)
                 future.set_exception(exc)
+
         self._background.put(run)
         return future
 
@@ -214,12 +231,18 @@ class DiscoveryService:
             t0 = time.perf_counter()
             self._embedder = self._make_embedder()
             self._detokenize([])  # loads the served model's tokenizer now too
-            logger.info("SemShare: donor discovery ready (%s, loaded in %.1f s)",
-                        self._embedder.name, time.perf_counter() - t0)
+            logger.info(
+                "SemShare: donor discovery ready (%s, loaded in %.1f s)",
+                self._embedder.name,
+                time.perf_counter() - t0,
+            )
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
-            logger.warning("SemShare: the embedder could not be loaded, semantic donor "
-                           "discovery is off (exact-prefix reuse goes on): %s", self.failed)
+            logger.warning(
+                "SemShare: the embedder could not be loaded, semantic donor "
+                "discovery is off (exact-prefix reuse goes on): %s",
+                self.failed,
+            )
 
     def _embed(self, token_ids: list[int]) -> tuple[DocumentEmbedding, float]:
         t0 = time.perf_counter()
@@ -233,7 +256,7 @@ class DiscoveryService:
             fingerprint = simhash(token_ids)
             near = self.index.near_duplicates(namespace, fingerprint, NEAR_DUPLICATE_BITS)
             if near:
-                future.set_result(Lookup(near[:self.top_k], None, fingerprint))
+                future.set_result(Lookup(near[: self.top_k], None, fingerprint))
                 return
             shared = self.index.shared_grams(namespace, sample_grams(token_ids), self.top_k)
             if shared is not None:
@@ -244,9 +267,13 @@ class DiscoveryService:
                     return
                 if best >= self.gram_match_share:
                     # the donor holds most of the prompt's text: a candidate by itself
-                    future.set_result(Lookup(
-                        [c for c in shared if c.score >= self.gram_match_share], None,
-                        fingerprint))
+                    future.set_result(
+                        Lookup(
+                            [c for c in shared if c.score >= self.gram_match_share],
+                            None,
+                            fingerprint,
+                        )
+                    )
                     return
             if self._ready_embedder() is None:
                 future.set_result(Lookup([], None, fingerprint))
@@ -260,8 +287,13 @@ class DiscoveryService:
             if not future.done():
                 future.set_exception(exc)
 
-    def _register(self, key: Hashable, serial: int, token_ids: list[int],
-                  then: Callable[[Embedded], None] | None) -> None:
+    def _register(
+        self,
+        key: Hashable,
+        serial: int,
+        token_ids: list[int],
+        then: Callable[[Embedded], None] | None,
+    ) -> None:
         if not self._registering or self._ready_embedder() is None:
             return
         try:
@@ -275,8 +307,14 @@ class DiscoveryService:
 
     def _fault(self, where: str, exc: Exception) -> None:
         self.stats.add("discovery_faults")
-        warn_once(logger, f"discovery:{where}", "SemShare: discovery %s failed: %s", where, exc,
-                  exc_info=exc)
+        warn_once(
+            logger,
+            f"discovery:{where}",
+            "SemShare: discovery %s failed: %s",
+            where,
+            exc,
+            exc_info=exc,
+        )
 
 
 def hf_detokenizer(tokenizer_path: str) -> Callable[[list], str]:
@@ -287,13 +325,16 @@ def hf_detokenizer(tokenizer_path: str) -> Callable[[list], str]:
     def detokenize(token_ids: list) -> str:
         if "tok" not in state:
             from transformers import AutoTokenizer
+
             state["tok"] = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
         return state["tok"].decode(token_ids, skip_special_tokens=True)
+
     return detokenize
 
 
-def build_discovery(config, tokenizer_path: str | None,
-                    stats: StatsRecorder | None = None) -> DiscoveryService | None:
+def build_discovery(
+    config, tokenizer_path: str | None, stats: StatsRecorder | None = None
+) -> DiscoveryService | None:
     """The discovery service the config asks for (None: ``embedder`` is "none", the model has
     no tokenizer to turn prompts back into text, or the embedder's model is not installed: then
     discovery is off with one warning, and vLLM starts as usual), counting into ``stats``."""
@@ -308,13 +349,21 @@ def build_discovery(config, tokenizer_path: str | None,
     try:
         embedder_id = embedder_identity()
     except Exception as exc:
-        logger.warning("SemShare: semantic donor discovery is off (exact-prefix reuse goes on): "
-                       "%s: %s", type(exc).__name__, exc)
+        logger.warning(
+            "SemShare: semantic donor discovery is off (exact-prefix reuse goes on): %s: %s",
+            type(exc).__name__,
+            exc,
+        )
         return None
     device = resolve_device(config.embedder_device)
     index = VectorIndex(kind=config.index_kind, exact_max=config.exact_search_max)
-    return DiscoveryService(lambda: make_embedder(config.embedder, device=device),
-                            hf_detokenizer(tokenizer_path), index, top_k=config.top_k,
-                            threshold=config.similarity_threshold,
-                            embedder_id=embedder_id,
-                            min_shared_grams=config.lookup_min_shared_grams, stats=stats)
+    return DiscoveryService(
+        lambda: make_embedder(config.embedder, device=device),
+        hf_detokenizer(tokenizer_path),
+        index,
+        top_k=config.top_k,
+        threshold=config.similarity_threshold,
+        embedder_id=embedder_id,
+        min_shared_grams=config.lookup_min_shared_grams,
+        stats=stats,
+    )

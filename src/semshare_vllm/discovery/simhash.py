@@ -31,7 +31,7 @@ def simhash(token_ids: Sequence[int] | np.ndarray) -> int:
     h = np.zeros(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(min(SHINGLE, len(tokens))):  # combine the shingle's tokens in order
-            h = _mix(h * np.uint64(0x9E3779B97F4A7C15) + tokens[j:j + n])
+            h = _mix(h * np.uint64(0x9E3779B97F4A7C15) + tokens[j : j + n])
     bits = ((h[:, None] >> _BITS) & np.uint64(1)).astype(np.int32)
     votes = bits.sum(0) * 2 > n
     return int((votes.astype(np.uint64) << _BITS).sum())

@@ -36,7 +36,7 @@ class SnapshotEntry:
     embedding: DocumentEmbedding
     fingerprint: int
     hits: int = 0
-    idle_s: float = 0.0          # seconds since last use, when written
+    idle_s: float = 0.0  # seconds since last use, when written
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
@@ -46,15 +46,30 @@ def write_snapshot(directory: str | Path, entries: list[SnapshotEntry], embedder
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dim = entries[0].embedding.vector.shape[0] if entries else 0
-    meta = {"version": VERSION, "embedder": embedder_id, "dim": dim, "written": time.time(),
-            "donors": [{"namespace": e.namespace, "donor_id": e.donor_id, "hits": e.hits,
-                        "idle_s": e.idle_s, "deviation_reports": e.deviation_reports,
-                        "deviation": e.deviation, "demoted": e.demoted,
-                        "num_tokens": e.embedding.num_tokens} for e in entries]}
+    meta = {
+        "version": VERSION,
+        "embedder": embedder_id,
+        "dim": dim,
+        "written": time.time(),
+        "donors": [
+            {
+                "namespace": e.namespace,
+                "donor_id": e.donor_id,
+                "hits": e.hits,
+                "idle_s": e.idle_s,
+                "deviation_reports": e.deviation_reports,
+                "deviation": e.deviation,
+                "demoted": e.demoted,
+                "num_tokens": e.embedding.num_tokens,
+            }
+            for e in entries
+        ],
+    }
     segs = [e.embedding.segments for e in entries]
     arrays = {
         "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-        "vectors": np.stack([e.embedding.vector for e in entries]) if entries
+        "vectors": np.stack([e.embedding.vector for e in entries])
+        if entries
         else np.zeros((0, 0), np.float32),
         "fingerprints": np.asarray([e.fingerprint for e in entries], dtype=np.uint64),
         "segment_offsets": np.cumsum([0] + [len(s) for s in segs]).astype(np.int64),
@@ -102,17 +117,32 @@ def load_snapshot(directory: str | Path, embedder_id: str) -> dict[tuple[str, st
         if not (len(donors) == len(vectors) == len(fingerprints) == len(offsets) - 1):
             raise ValueError("array lengths disagree")
     except Exception as exc:
-        logger.warning("SemShare: ignoring the discovery snapshot %s (%s); donors are embedded "
-                       "again", path, exc)
+        logger.warning(
+            "SemShare: ignoring the discovery snapshot %s (%s); donors are embedded again",
+            path,
+            exc,
+        )
         return {}
     if meta.get("embedder") != embedder_id:
-        logger.info("SemShare: discovery snapshot %s was made by %s, not %s; donors are "
-                    "embedded again", path, meta.get("embedder"), embedder_id)
+        logger.info(
+            "SemShare: discovery snapshot %s was made by %s, not %s; donors are embedded again",
+            path,
+            meta.get("embedder"),
+            embedder_id,
+        )
         return {}
     out = {}
     for i, d in enumerate(donors):
-        emb = DocumentEmbedding(vectors[i], segments[offsets[i]:offsets[i + 1]], d["num_tokens"])
+        emb = DocumentEmbedding(vectors[i], segments[offsets[i] : offsets[i + 1]], d["num_tokens"])
         out[(d["namespace"], d["donor_id"])] = SnapshotEntry(
-            d["namespace"], d["donor_id"], emb, int(fingerprints[i]), d["hits"], d["idle_s"],
-            d["deviation_reports"], d["deviation"], d["demoted"])
+            d["namespace"],
+            d["donor_id"],
+            emb,
+            int(fingerprints[i]),
+            d["hits"],
+            d["idle_s"],
+            d["deviation_reports"],
+            d["deviation"],
+            d["demoted"],
+        )
     return out

@@ -40,8 +40,8 @@ KINDS = ("auto", "exact", "faiss-flat", "faiss-ivf")
 @dataclass(frozen=True)
 class Candidate:
     key: Hashable
-    score: float       # cosine similarity, 1 - bits/64 for SimHash, the share of shared grams
-    method: str        # "cosine", "simhash" or "grams"
+    score: float  # cosine similarity, 1 - bits/64 for SimHash, the share of shared grams
+    method: str  # "cosine", "simhash" or "grams"
 
 
 class _Table:
@@ -50,13 +50,13 @@ class _Table:
     def __init__(self, dim: int):
         self.vectors = np.zeros((16, dim), dtype=np.float32)
         self.fingerprints = np.zeros(16, dtype=np.uint64)
-        self.ids = np.zeros(16, dtype=np.int64)     # stable id of each row (FAISS ids)
+        self.ids = np.zeros(16, dtype=np.int64)  # stable id of each row (FAISS ids)
         self.keys: list[Hashable] = []
         self.row_of: dict[Hashable, int] = {}
         self.key_of_id: dict[int, Hashable] = {}
-        self.faiss = None                 # FAISS index over the same rows, once built
-        self.grams = GramTable()          # sampled token 4-grams of the donors that gave them
-        self.faiss_size = 0               # rows when it was built (rebuild past 2x)
+        self.faiss = None  # FAISS index over the same rows, once built
+        self.grams = GramTable()  # sampled token 4-grams of the donors that gave them
+        self.faiss_size = 0  # rows when it was built (rebuild past 2x)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -65,8 +65,9 @@ class _Table:
         n = len(self.keys)
         if n == len(self.vectors):
             self.vectors = np.concatenate([self.vectors, np.zeros_like(self.vectors)])
-            self.fingerprints = np.concatenate([self.fingerprints,
-                                                np.zeros_like(self.fingerprints)])
+            self.fingerprints = np.concatenate(
+                [self.fingerprints, np.zeros_like(self.fingerprints)]
+            )
             self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
         self.vectors[n] = vector
         self.fingerprints[n] = np.uint64(fingerprint)
@@ -95,8 +96,9 @@ class _Table:
 
 
 class VectorIndex:
-    def __init__(self, dim: int = 384, kind: str = "auto", exact_max: int = 20_000,
-                 nprobe: int = 16):
+    def __init__(
+        self, dim: int = 384, kind: str = "auto", exact_max: int = 20_000, nprobe: int = 16
+    ):
         if kind not in KINDS:
             raise ValueError(f"index kind {kind!r} not in {KINDS}")
         self.dim = dim
@@ -120,14 +122,26 @@ class VectorIndex:
         return table is not None and key in table.row_of
 
     # ---- mutation (scheduler thread) ----------------------------------------------------------
-    def add_donor(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int,
-                  token_ids: Sequence[int]) -> None:
+    def add_donor(
+        self,
+        namespace: str,
+        key: Hashable,
+        vector: np.ndarray,
+        fingerprint: int,
+        token_ids: Sequence[int],
+    ) -> None:
         """Add a donor with the sampled 4-grams of its prompt (the catalog calls this: how
         prompts are sampled is discovery's business)."""
         self.add(namespace, key, vector, fingerprint, sample_grams(token_ids))
 
-    def add(self, namespace: str, key: Hashable, vector: np.ndarray, fingerprint: int,
-            grams: np.ndarray | None = None) -> None:
+    def add(
+        self,
+        namespace: str,
+        key: Hashable,
+        vector: np.ndarray,
+        fingerprint: int,
+        grams: np.ndarray | None = None,
+    ) -> None:
         """Add a donor: its vector, SimHash and (optional) sampled 4-grams (``ngrams``)."""
         vector = np.asarray(vector, dtype=np.float32).reshape(self.dim)
         with self._lock:
@@ -154,8 +168,9 @@ class VectorIndex:
             return True
 
     # ---- search (discovery thread) ------------------------------------------------------------
-    def search(self, namespace: str, vector: np.ndarray, k: int,
-               threshold: float = -1.0) -> list[Candidate]:
+    def search(
+        self, namespace: str, vector: np.ndarray, k: int, threshold: float = -1.0
+    ) -> list[Candidate]:
         """The ``k`` donors of ``namespace`` most similar with cosine >= ``threshold``, best
         first."""
         q = np.asarray(vector, dtype=np.float32).reshape(1, self.dim)
@@ -168,8 +183,9 @@ class VectorIndex:
                 if hasattr(table.faiss, "nprobe"):
                     table.faiss.nprobe = self.nprobe
                 scores, ids = table.faiss.search(q, min(k, n))
-                found = [(table.key_of_id[int(i)], float(s))
-                         for s, i in zip(scores[0], ids[0]) if i >= 0]
+                found = [
+                    (table.key_of_id[int(i)], float(s)) for s, i in zip(scores[0], ids[0]) if i >= 0
+                ]
             else:
                 scores = table.vectors[:n] @ q[0]
                 top = np.argpartition(-scores, min(k, n) - 1)[:k] if n > k else np.arange(n)
@@ -186,14 +202,13 @@ class VectorIndex:
                 return None
             return [Candidate(key, share, "grams") for key, share in table.grams.top(grams, k)]
 
-    def near_duplicates(self, namespace: str, fingerprint: int,
-                        max_bits: int) -> list[Candidate]:
+    def near_duplicates(self, namespace: str, fingerprint: int, max_bits: int) -> list[Candidate]:
         """Donors of ``namespace`` whose SimHash is within ``max_bits`` of ``fingerprint``."""
         with self._lock:
             table = self._tables.get(namespace)
             if table is None:
                 return []
-            d = hamming(table.fingerprints[:len(table)], fingerprint)
+            d = hamming(table.fingerprints[: len(table)], fingerprint)
             rows = np.flatnonzero(d <= max_bits)
             rows = rows[np.argsort(d[rows], kind="stable")]
             return [Candidate(table.keys[r], 1.0 - float(d[r]) / 64, "simhash") for r in rows]
@@ -209,7 +224,7 @@ class VectorIndex:
                 table = self._tables.get(ns)
                 if table is None or not self._wants_ivf(table):
                     continue
-                sample = table.vectors[:len(table)].copy()
+                sample = table.vectors[: len(table)].copy()
             index = self._trained_ivf(sample)
             with self._lock:
                 if self._tables.get(ns) is not table:

@@ -10,7 +10,7 @@ IMPLS = ("auto", "triton", "torch")
 
 
 def use_triton(tensor: torch.Tensor, impl: str = "auto") -> bool:
-    """"auto": Triton for CUDA tensors, torch otherwise (CPU-only installs may lack Triton, and
+    """ "auto": Triton for CUDA tensors, torch otherwise (CPU-only installs may lack Triton, and
     on CPU the interpreter is a test tool, never a serving path, even when TRITON_INTERPRET is
     set). "triton" on CPU tensors needs TRITON_INTERPRET=1 (the tests force it that way)."""
     if impl not in IMPLS:

@@ -25,8 +25,10 @@ def _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst
     if src.shape[0] != len(caches):
         raise ValueError(f"src has {src.shape[0]} layers, caches {len(caches)}")
     if src.shape[2:] != (offsets.num_heads, 2 * offsets.head_size):
-        raise ValueError(f"src heads/channels {tuple(src.shape[2:])} do not match the cache "
-                         f"{(offsets.num_heads, 2 * offsets.head_size)}")
+        raise ValueError(
+            f"src heads/channels {tuple(src.shape[2:])} do not match the cache "
+            f"{(offsets.num_heads, 2 * offsets.head_size)}"
+        )
     if src_rows.dim() != 1 or dst_slots.shape != src_rows.shape:
         raise ValueError("src_rows and dst_slots must be 1-D of the same length")
     for cache in caches:
@@ -49,11 +51,16 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((span,), (1,), cache.storage_offset())
 
 
-def gather_rearrange_reference(src: torch.Tensor, src_rows: torch.Tensor,
-                               dst_slots: torch.Tensor, caches: list[torch.Tensor],
-                               offsets: PageOffsets, table: RopeTable | None = None,
-                               src_pos: torch.Tensor | None = None,
-                               dst_pos: torch.Tensor | None = None) -> None:
+def gather_rearrange_reference(
+    src: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
+    caches: list[torch.Tensor],
+    offsets: PageOffsets,
+    table: RopeTable | None = None,
+    src_pos: torch.Tensor | None = None,
+    dst_pos: torch.Tensor | None = None,
+) -> None:
     """Torch reference: destination offsets and the RoPE rotation are computed once, then each
     layer is one row gather, one rotation and one scatter."""
     _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)
@@ -77,17 +84,25 @@ def gather_rearrange_reference(src: torch.Tensor, src_rows: torch.Tensor,
         _flat(cache).index_put_((index,), kv)
 
 
-def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch.Tensor,
-                     caches: list[torch.Tensor], offsets: PageOffsets,
-                     table: RopeTable | None = None, src_pos: torch.Tensor | None = None,
-                     dst_pos: torch.Tensor | None = None, impl: str = "auto") -> None:
+def gather_rearrange(
+    src: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
+    caches: list[torch.Tensor],
+    offsets: PageOffsets,
+    table: RopeTable | None = None,
+    src_pos: torch.Tensor | None = None,
+    dst_pos: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> None:
     """Move ``src[:, src_rows]`` into ``dst_slots`` of every layer's cache, K RoPE-corrected
     from ``src_pos`` to ``dst_pos`` when ``table`` is given. Triton on CUDA (one launch for all
     layers when they form one uniform stack), the torch reference otherwise; ``impl`` =
     "triton" / "torch" forces one."""
     if not use_triton(src, impl):
-        gather_rearrange_reference(src, src_rows, dst_slots, caches, offsets, table,
-                                   src_pos, dst_pos)
+        gather_rearrange_reference(
+            src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos
+        )
         return
     _check_inputs(src, src_rows, dst_slots, caches, offsets, table, src_pos, dst_pos)
     if src_rows.numel() == 0:
@@ -97,12 +112,21 @@ def gather_rearrange(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch
     device = src.device
     if table is not None:
         table, src_pos, dst_pos = table.to(device), src_pos.to(device), dst_pos.to(device)
-    gather_rearrange_triton(src, src_rows.to(device), dst_slots.to(device), caches,
-                            offsets.to(device), table, src_pos, dst_pos)
+    gather_rearrange_triton(
+        src,
+        src_rows.to(device),
+        dst_slots.to(device),
+        caches,
+        offsets.to(device),
+        table,
+        src_pos,
+        dst_pos,
+    )
 
 
-def stage_rows(pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
-               offsets: PageOffsets) -> torch.Tensor:
+def stage_rows(
+    pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor, offsets: PageOffsets
+) -> torch.Tensor:
     """The K|V rows at ``slots`` of every layer's pages, as ``gather_rearrange``'s staging
     tensor ``[L, M, H, 2*D]`` (the inverse of its scatter, without the rotation): one element
     gather per layer through the same offsets (faster than reading K and V apart and
@@ -111,12 +135,14 @@ def stage_rows(pages: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
     if not pages:
         raise ValueError("no layers to stage")
     index = offsets.to(pages[0].device).flat_indices(slots).view(-1)
-    out = torch.empty((len(pages), slots.shape[0], offsets.num_heads,
-                       2 * offsets.head_size), dtype=pages[0].dtype, device=pages[0].device)
+    out = torch.empty(
+        (len(pages), slots.shape[0], offsets.num_heads, 2 * offsets.head_size),
+        dtype=pages[0].dtype,
+        device=pages[0].device,
+    )
     for layer, page in enumerate(pages):
         # any number of blocks (a host pool's, a cache's), the same pages
-        if tuple(page.shape[1:]) != offsets.shape[1:] or \
-                tuple(page.stride()) != offsets.strides:
+        if tuple(page.shape[1:]) != offsets.shape[1:] or tuple(page.stride()) != offsets.strides:
             raise ValueError("a page tensor's page shape/strides differ from the offsets'")
         torch.index_select(_flat(page), 0, index, out=out[layer].view(-1))
     return out

@@ -43,8 +43,9 @@ class RopeTable:
 
     def __post_init__(self):
         if self.cos_sin.dim() != 2 or self.cos_sin.shape[1] != self.rotary_dim:
-            raise ValueError(f"cos_sin must be [max_pos, {self.rotary_dim}], "
-                             f"got {tuple(self.cos_sin.shape)}")
+            raise ValueError(
+                f"cos_sin must be [max_pos, {self.rotary_dim}], got {tuple(self.cos_sin.shape)}"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size:
             raise ValueError(f"bad rotary_dim {self.rotary_dim} for head_size {self.head_size}")
         if self.cos_sin.dtype != torch.float32 or not self.cos_sin.is_contiguous():
@@ -68,8 +69,9 @@ class RopeTable:
         """The table of a vLLM rotary module (what ``get_rope`` returns); ``UnsupportedRope``
         for one that is not a single angle table (``vllm_compat.rotary``)."""
         angles = rotary_angles(rotary_emb)
-        return cls(angles.cos_sin.to(device or "cpu"), angles.head_size, angles.rotary_dim,
-                   angles.is_neox)
+        return cls(
+            angles.cos_sin.to(device or "cpu"), angles.head_size, angles.rotary_dim, angles.is_neox
+        )
 
     @classmethod
     def from_model(cls, model, device: torch.device | str | None = None) -> RopeTable:
@@ -106,8 +108,9 @@ def _pair_slices(table: RopeTable) -> tuple[slice, slice]:
     return slice(0, table.rotary_dim, 2), slice(1, table.rotary_dim, 2)
 
 
-def apply_rope_delta(k: torch.Tensor, delta: RopeDelta, table: RopeTable,
-                     out: torch.Tensor) -> torch.Tensor:
+def apply_rope_delta(
+    k: torch.Tensor, delta: RopeDelta, table: RopeTable, out: torch.Tensor
+) -> torch.Tensor:
     """Rotate ``k`` ``[T, H, D]`` by ``delta`` into ``out`` (any dtype; may be ``k`` itself).
 
     Rotated dims are computed in fp32 and cast once; pass-through dims and p == q tokens are
@@ -126,7 +129,7 @@ def apply_rope_delta(k: torch.Tensor, delta: RopeDelta, table: RopeTable,
     out[..., first] = out1
     out[..., second] = out2
     if table.rotary_dim < k.shape[-1] and out.data_ptr() != k.data_ptr():
-        out[..., table.rotary_dim:] = k[..., table.rotary_dim:]
+        out[..., table.rotary_dim :] = k[..., table.rotary_dim :]
     return out
 
 
@@ -137,8 +140,9 @@ def _check(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, table:
         raise ValueError("src_pos and dst_pos must be [T]")
 
 
-def rope_correct_reference(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor,
-                           table: RopeTable) -> torch.Tensor:
+def rope_correct_reference(
+    k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, table: RopeTable
+) -> torch.Tensor:
     """``k`` ``[T, H, D]`` rotated for ``src_pos`` -> rotated for ``dst_pos`` (new tensor, same
     dtype). The torch reference of the Triton kernel."""
     _check(k, src_pos, dst_pos, table)
@@ -146,9 +150,14 @@ def rope_correct_reference(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torc
     return apply_rope_delta(k, rope_delta(table, src_pos, dst_pos), table, torch.empty_like(k))
 
 
-def correct_rope(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor,
-                 table: RopeTable, out: torch.Tensor | None = None,
-                 impl: str = "auto") -> torch.Tensor:
+def correct_rope(
+    k: torch.Tensor,
+    src_pos: torch.Tensor,
+    dst_pos: torch.Tensor,
+    table: RopeTable,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """RoPE-correct ``k`` ``[T, H, D]`` from ``src_pos`` to ``dst_pos`` into ``out`` (default a
     new tensor like ``k``; may be ``k`` for in place). Triton on CUDA, torch otherwise;
     ``impl`` = "triton" / "torch" forces one."""

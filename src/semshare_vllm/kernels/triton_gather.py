@@ -24,8 +24,17 @@ _MAX_GRID_Y = 65535
 
 
 @triton.jit
-def _page_offsets(k_off_ptr, v_off_ptr, in_block, d, mask, token_stride, channel_stride,
-                  HEAD_SIZE: tl.constexpr, PACKED: tl.constexpr):
+def _page_offsets(
+    k_off_ptr,
+    v_off_ptr,
+    in_block,
+    d,
+    mask,
+    token_stride,
+    channel_stride,
+    HEAD_SIZE: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """K and V element offsets inside a (block, head) page, ``[BLOCK_M, len(d)]``: computed
     for packed pages (contiguous in d, so stores vectorise), read from the tables otherwise."""
     if PACKED:
@@ -39,15 +48,36 @@ def _page_offsets(k_off_ptr, v_off_ptr, in_block, d, mask, token_stride, channel
 
 
 @triton.jit
-def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, src_stride_c,
-                             rows_ptr, slots_ptr, src_pos_ptr, dst_pos_ptr, num_tokens,
-                             dst_ptr, dst_stride_l, block_stride, head_stride,
-                             k_off_ptr, v_off_ptr, token_stride, channel_stride,
-                             block_size, table_ptr, num_heads,
-                             HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                             ROTARY_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
-                             HAS_ROPE: tl.constexpr, PACKED: tl.constexpr,
-                             BLOCK_M: tl.constexpr):
+def _gather_rearrange_kernel(
+    src_ptr,
+    src_stride_l,
+    src_stride_t,
+    src_stride_h,
+    src_stride_c,
+    rows_ptr,
+    slots_ptr,
+    src_pos_ptr,
+    dst_pos_ptr,
+    num_tokens,
+    dst_ptr,
+    dst_stride_l,
+    block_stride,
+    head_stride,
+    k_off_ptr,
+    v_off_ptr,
+    token_stride,
+    channel_stride,
+    block_size,
+    table_ptr,
+    num_heads,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     layer = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -56,8 +86,9 @@ def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, 
     rows = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64)
     slots = tl.load(slots_ptr + m, mask=m_ok, other=0).to(tl.int64)
     blocks, in_block = slots // block_size, slots % block_size
-    k_off, v_off = _page_offsets(k_off_ptr, v_off_ptr, in_block, d, ok, token_stride,
-                                 channel_stride, HEAD_SIZE, PACKED)
+    k_off, v_off = _page_offsets(
+        k_off_ptr, v_off_ptr, in_block, d, ok, token_stride, channel_stride, HEAD_SIZE, PACKED
+    )
     src_row = src_ptr + layer * src_stride_l + rows[:, None] * src_stride_t
     dst_page = dst_ptr + layer * dst_stride_l + blocks[:, None] * block_stride
     out_dtype = dst_ptr.dtype.element_ty
@@ -68,11 +99,21 @@ def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, 
     if SPLIT:
         i = tl.arange(0, BLOCK_D // 2)
         i_ok = m_ok[:, None] & (i < HALF)[None, :]
-        p_ok = ok & (d >= ROTARY_DIM)[None, :]   # pass-through dims (partial rotary)
-        k1_off, _ = _page_offsets(k_off_ptr, v_off_ptr, in_block, i, i_ok, token_stride,
-                                  channel_stride, HEAD_SIZE, PACKED)
-        k2_off, _ = _page_offsets(k_off_ptr, v_off_ptr, in_block, i + HALF, i_ok,
-                                  token_stride, channel_stride, HEAD_SIZE, PACKED)
+        p_ok = ok & (d >= ROTARY_DIM)[None, :]  # pass-through dims (partial rotary)
+        k1_off, _ = _page_offsets(
+            k_off_ptr, v_off_ptr, in_block, i, i_ok, token_stride, channel_stride, HEAD_SIZE, PACKED
+        )
+        k2_off, _ = _page_offsets(
+            k_off_ptr,
+            v_off_ptr,
+            in_block,
+            i + HALF,
+            i_ok,
+            token_stride,
+            channel_stride,
+            HEAD_SIZE,
+            PACKED,
+        )
     if HAS_ROPE:
         src_pos = tl.load(src_pos_ptr + m, mask=m_ok, other=0).to(tl.int64)
         dst_pos = tl.load(dst_pos_ptr + m, mask=m_ok, other=0).to(tl.int64)
@@ -81,8 +122,9 @@ def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, 
             same = (src_pos == dst_pos)[:, None]
         else:
             angle, partner, first, rotated = rope_pairs(d, ROTARY_DIM, IS_NEOX)
-            cos, sin = rope_delta(table_ptr, src_pos, dst_pos, angle, ok & rotated[None, :],
-                                  ROTARY_DIM)
+            cos, sin = rope_delta(
+                table_ptr, src_pos, dst_pos, angle, ok & rotated[None, :], ROTARY_DIM
+            )
             keep = (src_pos == dst_pos)[:, None] | (~rotated)[None, :]
     for h in range(num_heads):
         src_head = src_row + h * src_stride_h
@@ -110,10 +152,16 @@ def _gather_rearrange_kernel(src_ptr, src_stride_l, src_stride_t, src_stride_h, 
         tl.store(dst_head + v_off, v.to(out_dtype), mask=ok)
 
 
-def gather_rearrange_triton(src: torch.Tensor, src_rows: torch.Tensor, dst_slots: torch.Tensor,
-                            caches: list[torch.Tensor], offsets: PageOffsets,
-                            table: RopeTable | None, src_pos: torch.Tensor | None,
-                            dst_pos: torch.Tensor | None) -> None:
+def gather_rearrange_triton(
+    src: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
+    caches: list[torch.Tensor],
+    offsets: PageOffsets,
+    table: RopeTable | None,
+    src_pos: torch.Tensor | None,
+    dst_pos: torch.Tensor | None,
+) -> None:
     """One launch per uniform stack of layer tensors (usually one for the whole model)."""
     num_tokens = src_rows.shape[0]
     tiles = triton.cdiv(num_tokens, BLOCK_M)
@@ -124,14 +172,31 @@ def gather_rearrange_triton(src: torch.Tensor, src_rows: torch.Tensor, dst_slots
     for layers, stack in stack_layers(caches):
         part = src[layers]
         _gather_rearrange_kernel[(stack.shape[0], tiles)](
-            part, *part.stride(), src_rows, dst_slots,
-            src_pos if has_rope else src_rows, dst_pos if has_rope else src_rows, num_tokens,
-            stack, stack.stride(0), offsets.block_stride, offsets.head_stride,
-            offsets.k_offsets, offsets.v_offsets, offsets.token_stride or 0,
-            offsets.channel_stride or 0, offsets.block_size,
-            table.cos_sin if has_rope else offsets.k_offsets, offsets.num_heads,
-            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+            part,
+            *part.stride(),
+            src_rows,
+            dst_slots,
+            src_pos if has_rope else src_rows,
+            dst_pos if has_rope else src_rows,
+            num_tokens,
+            stack,
+            stack.stride(0),
+            offsets.block_stride,
+            offsets.head_stride,
+            offsets.k_offsets,
+            offsets.v_offsets,
+            offsets.token_stride or 0,
+            offsets.channel_stride or 0,
+            offsets.block_size,
+            table.cos_sin if has_rope else offsets.k_offsets,
+            offsets.num_heads,
+            HEAD_SIZE=head_size,
+            BLOCK_D=triton.next_power_of_2(head_size),
             ROTARY_DIM=table.rotary_dim if has_rope else 2,
-            IS_NEOX=table.is_neox if has_rope else True, HAS_ROPE=has_rope,
-            PACKED=offsets.token_stride is not None, BLOCK_M=BLOCK_M,
-            num_warps=NUM_WARPS, enable_fp_fusion=False)
+            IS_NEOX=table.is_neox if has_rope else True,
+            HAS_ROPE=has_rope,
+            PACKED=offsets.token_stride is not None,
+            BLOCK_M=BLOCK_M,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )

@@ -66,12 +66,25 @@ def rope_rotate(x_raw, x_partner, cos, sin, first, keep, OUT_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _rope_correct_kernel(k_ptr, k_stride_t, k_stride_h, k_stride_d,
-                         out_ptr, out_stride_t, out_stride_h, out_stride_d,
-                         src_pos_ptr, dst_pos_ptr, table_ptr, num_tokens,
-                         HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ROTARY_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
-                         BLOCK_M: tl.constexpr):
+def _rope_correct_kernel(
+    k_ptr,
+    k_stride_t,
+    k_stride_h,
+    k_stride_d,
+    out_ptr,
+    out_stride_t,
+    out_stride_h,
+    out_stride_d,
+    src_pos_ptr,
+    dst_pos_ptr,
+    table_ptr,
+    num_tokens,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     head = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -90,14 +103,31 @@ def _rope_correct_kernel(k_ptr, k_stride_t, k_stride_h, k_stride_d,
     tl.store(dst + d[None, :] * out_stride_d, y, mask=ok)
 
 
-def rope_correct_triton(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor,
-                        table: RopeTable, out: torch.Tensor) -> None:
+def rope_correct_triton(
+    k: torch.Tensor,
+    src_pos: torch.Tensor,
+    dst_pos: torch.Tensor,
+    table: RopeTable,
+    out: torch.Tensor,
+) -> None:
     """Launch: grid = heads x token tiles. ``out`` may be ``k`` (each program reads its whole
     tile, pair partners included, before writing it)."""
     num_tokens, num_heads, head_size = k.shape
     grid = (num_heads, triton.cdiv(num_tokens, BLOCK_M))
     _rope_correct_kernel[grid](
-        k, *k.stride(), out, *out.stride(), src_pos, dst_pos, table.cos_sin, num_tokens,
-        HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        ROTARY_DIM=table.rotary_dim, IS_NEOX=table.is_neox, BLOCK_M=BLOCK_M,
-        num_warps=NUM_WARPS, enable_fp_fusion=False)
+        k,
+        *k.stride(),
+        out,
+        *out.stride(),
+        src_pos,
+        dst_pos,
+        table.cos_sin,
+        num_tokens,
+        HEAD_SIZE=head_size,
+        BLOCK_D=triton.next_power_of_2(head_size),
+        ROTARY_DIM=table.rotary_dim,
+        IS_NEOX=table.is_neox,
+        BLOCK_M=BLOCK_M,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )

@@ -75,11 +75,27 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     dtype = getattr(spec, "dtype", torch.float32)
     declined, exact_only = kv_quantisation(vllm_config, spec)
     reason = reason or declined
-    fp = fingerprint(str(vllm_config.model_config.model), str(dtype),
-                                list(layer_names), heads, head_size, spec.block_size,
-                                parallel.tensor_parallel_size, extra=kv_identity(vllm_config))
-    return KVGeometry(layer_names, spec.block_size, heads, head_size, dtype,
-                      parallel.tensor_parallel_size, fp, reason, exact_only)
+    fp = fingerprint(
+        str(vllm_config.model_config.model),
+        str(dtype),
+        list(layer_names),
+        heads,
+        head_size,
+        spec.block_size,
+        parallel.tensor_parallel_size,
+        extra=kv_identity(vllm_config),
+    )
+    return KVGeometry(
+        layer_names,
+        spec.block_size,
+        heads,
+        head_size,
+        dtype,
+        parallel.tensor_parallel_size,
+        fp,
+        reason,
+        exact_only,
+    )
 
 
 # ---- KV formats ---------------------------------------------------------------------------------
@@ -94,7 +110,7 @@ def kv_quantisation(vllm_config, spec) -> tuple[str | None, str | None]:
     cache_dtype = str(getattr(cache_config, "cache_dtype", None) or "auto")
     try:
         mode = get_kv_quant_mode(cache_dtype)
-    except (KeyError, ValueError):      # a name vLLM's own table does not know
+    except (KeyError, ValueError):  # a name vLLM's own table does not know
         mode = None
     spec_mode = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
     if mode == KVQuantMode.NONE and spec_mode != KVQuantMode.NONE:
@@ -102,16 +118,22 @@ def kv_quantisation(vllm_config, spec) -> tuple[str | None, str | None]:
     if mode == KVQuantMode.NONE and cache_dtype in _PLAIN_KV_DTYPES:
         return None, None
     if mode != KVQuantMode.FP8_PER_TENSOR:
-        return (f"KV cache dtype {cache_dtype!r} ({getattr(mode, 'name', 'unknown')}) keeps "
-                "its quantisation scales apart from the pages, or is not one the connector "
-                "knows: a page copy would not carry them"), None
+        return (
+            f"KV cache dtype {cache_dtype!r} ({getattr(mode, 'name', 'unknown')}) keeps "
+            "its quantisation scales apart from the pages, or is not one the connector "
+            "knows: a page copy would not carry them"
+        ), None
     if getattr(cache_config, "calculate_kv_scales", False):
-        return (f"KV cache dtype {cache_dtype!r} with calculate_kv_scales: the fp8 scales are "
-                "computed per engine run, so pages copied from another run (or kept across "
-                "the first batch) would be read with other scales"), None
-    return None, (f"KV cache dtype {cache_dtype!r} is quantised (per-tensor fp8 scales): exact "
-                  "page copies only; the RoPE correction and selective recompute ignore the "
-                  "scales, so semantic reuse and recompute are off")
+        return (
+            f"KV cache dtype {cache_dtype!r} with calculate_kv_scales: the fp8 scales are "
+            "computed per engine run, so pages copied from another run (or kept across "
+            "the first batch) would be read with other scales"
+        ), None
+    return None, (
+        f"KV cache dtype {cache_dtype!r} is quantised (per-tensor fp8 scales): exact "
+        "page copies only; the RoPE correction and selective recompute ignore the "
+        "scales, so semantic reuse and recompute are off"
+    )
 
 
 # ---- what else keys the KV of the same tokens ----------------------------------------------------
@@ -142,12 +164,15 @@ def _stable(obj):
 def _local_weights(path: Path) -> dict:
     """Names, sizes and mtimes of a local model's weight files, and its config.json's hash:
     a new checkpoint written at the same path changes it, and no weight byte is read."""
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
+    )
     out = {"files": []}
     for p in files:
         try:
-            st = p.stat()     # follows links (hub snapshots link to their blobs)
+            st = p.stat()  # follows links (hub snapshots link to their blobs)
         except OSError:
             continue
         out["files"].append([p.name, st.st_size, st.st_mtime_ns])
@@ -164,12 +189,13 @@ def _hub_snapshot(repo: str, revision: str | None, cache_dir: str | None) -> str
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir,
-                                       revision=revision or None)
+        found = try_to_load_from_cache(
+            repo, "config.json", cache_dir=cache_dir, revision=revision or None
+        )
     except Exception:
         return None
     if isinstance(found, str):
-        return Path(found).parent.name       # .../snapshots/<commit>/config.json
+        return Path(found).parent.name  # .../snapshots/<commit>/config.json
     return None
 
 
@@ -193,21 +219,36 @@ def kv_identity(vllm_config) -> dict:
     for i, hf in enumerate(c for c in hf_configs if c is not None):
         if i and hf is hf_configs[0]:
             continue
-        for name in ("rope_scaling", "rope_theta", "rope_parameters", "max_position_embeddings",
-                     "partial_rotary_factor"):
+        for name in (
+            "rope_scaling",
+            "rope_theta",
+            "rope_parameters",
+            "max_position_embeddings",
+            "partial_rotary_factor",
+        ):
             rope[f"{i}.{name}"] = getattr(hf, name, None)
-    return _stable({
-        "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
-        "quantization": getattr(mc, "quantization", None),
-        "model_dtype": str(getattr(mc, "dtype", None)),
-        "hf_overrides": getattr(mc, "hf_overrides", None),
-        "rope": rope,
-        "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),
-    })
+    return _stable(
+        {
+            "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
+            "quantization": getattr(mc, "quantization", None),
+            "model_dtype": str(getattr(mc, "dtype", None)),
+            "hf_overrides": getattr(mc, "hf_overrides", None),
+            "rope": rope,
+            "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),
+        }
+    )
 
 
-def fingerprint(model: str, dtype: str, layer_names: list[str], num_kv_heads: int,
-                head_size: int, block_size: int, tp_size: int, extra=None) -> str:
+def fingerprint(
+    model: str,
+    dtype: str,
+    layer_names: list[str],
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    tp_size: int,
+    extra=None,
+) -> str:
     """A short id of everything the scheduler knows that must match for stored KV to be reusable.
     ``extra``: anything else that changes the KV of the same tokens (the weights' identity,
     quantisation, RoPE, the KV cache dtype: ``layout/geometry.py``), JSON-able with sorted keys."""

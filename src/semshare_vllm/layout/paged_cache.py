@@ -19,16 +19,20 @@ def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]
     is usually a single view); falls back to one stack per layer."""
     first = caches[0]
     uniform = len(caches) > 1 and all(
-        c.shape == first.shape and c.stride() == first.stride() and c.dtype == first.dtype
+        c.shape == first.shape
+        and c.stride() == first.stride()
+        and c.dtype == first.dtype
         and c.device == first.device
         and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        for c in caches)
+        for c in caches
+    )
     if uniform:
         step = caches[1].storage_offset() - first.storage_offset()
         if step >= first.numel() and all(
-                c.storage_offset() - first.storage_offset() == i * step
-                for i, c in enumerate(caches)):
-            stacked = torch.as_strided(first, (len(caches), *first.shape),
-                                       (step, *first.stride()), first.storage_offset())
+            c.storage_offset() - first.storage_offset() == i * step for i, c in enumerate(caches)
+        ):
+            stacked = torch.as_strided(
+                first, (len(caches), *first.shape), (step, *first.stride()), first.storage_offset()
+            )
             return [(slice(0, len(caches)), stacked)]
     return [(slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)]

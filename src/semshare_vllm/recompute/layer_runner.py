@@ -48,23 +48,24 @@ from semshare_vllm.vllm_compat.decoder_layers import (
 
 @dataclass
 class _Layer:
-    decoder: DecoderLayer          # the decoder layer, as vllm_compat reads it
-    cache: torch.Tensor            # this layer's paged cache
-    spec: PageSpec                 # ... its page layout, to read and write it by token
-    cpu_isa: str | None            # CPU_ATTN layouts: vLLM's kernels serve prefill-shaped runs
+    decoder: DecoderLayer  # the decoder layer, as vllm_compat reads it
+    cache: torch.Tensor  # this layer's paged cache
+    spec: PageSpec  # ... its page layout, to read and write it by token
+    cpu_isa: str | None  # CPU_ATTN layouts: vLLM's kernels serve prefill-shaped runs
     num_heads: int
     num_kv_heads: int
     head_size: int
     scale: float
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention of queries at sorted positions ``q_pos`` over keys at positions
     0..n-1. q ``[S, Hq, D]``, k / v ``[n, Hkv, D]`` -> ``[S, Hq, D]`` (fp32 softmax via SDPA)."""
     n, s = k.shape[0], q.shape[0]
     if s == n and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1:
-        return _sdpa(q, k, v, None, scale)   # every position: the plain causal kernel
+        return _sdpa(q, k, v, None, scale)  # every position: the plain causal kernel
     # Scattered queries need a mask, and a masked kernel skips no key blocks: in chunks of
     # consecutive queries, each chunk reads only the keys up to its last position (about half
     # the work; docs/benchmarks.md, "Selective recompute").
@@ -85,9 +86,14 @@ ATTEND_MIN_CHUNK = 32
 
 def _sdpa(q, k, v, mask, scale):
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=mask is None,
-        scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out[0].transpose(0, 1)
 
 
@@ -95,9 +101,17 @@ class _RecomputeAttention(torch.nn.Module):
     """Stands in for one layer's vLLM Attention during a recompute (module docstring); measures
     what the selection asked for (``probe``) on the way."""
 
-    def __init__(self, layer: _Layer, block_ids: list[int], positions: torch.Tensor,
-                 slots: torch.Tensor, context: int, want_deviation: bool, tail: int,
-                 probe_only: bool = False):
+    def __init__(
+        self,
+        layer: _Layer,
+        block_ids: list[int],
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        context: int,
+        want_deviation: bool,
+        tail: int,
+        probe_only: bool = False,
+    ):
         super().__init__()
         self.layer, self.block_ids, self.positions = layer, block_ids, positions
         self.slots, self.context = slots, context
@@ -115,13 +129,18 @@ class _RecomputeAttention(torch.nn.Module):
         if self.want_deviation:  # fresh vs the donor's K/V these positions held
             k_old, v_old = lay.spec.read(lay.cache, self.slots)
             k32, v32 = k.float(), v.float()
-            diff = (k32 - k_old.float()).square().sum((1, 2)) + \
-                (v32 - v_old.float()).square().sum((1, 2))
-            self.deviation = diff / (k32.square().sum((1, 2)) + v32.square().sum((1, 2))
-                                     ).clamp_min(1e-12)
-        kernel = lay.cpu_isa is not None and _is_tail(self.positions, self.context) and \
-            not self.probe_only
-        if kernel:   # vLLM's own CPU cache write and prefill attention, on the paged cache
+            diff = (k32 - k_old.float()).square().sum((1, 2)) + (v32 - v_old.float()).square().sum(
+                (1, 2)
+            )
+            self.deviation = diff / (k32.square().sum((1, 2)) + v32.square().sum((1, 2))).clamp_min(
+                1e-12
+            )
+        kernel = (
+            lay.cpu_isa is not None
+            and _is_tail(self.positions, self.context)
+            and not self.probe_only
+        )
+        if kernel:  # vLLM's own CPU cache write and prefill attention, on the paged cache
             out = _cpu_attention(lay, q, k, v, self.slots, self.block_ids, self.context)
         else:
             lay.spec.write(lay.cache, self.slots, k, v)
@@ -130,8 +149,9 @@ class _RecomputeAttention(torch.nn.Module):
         if self.tail or not kernel:
             k_all, v_all = lay.spec.read_range(lay.cache, self.block_ids, 0, self.context)
             if self.tail:
-                self.attention = tail_attention(q, k_all, self.positions,
-                                                self.context - self.tail, lay.scale)
+                self.attention = tail_attention(
+                    q, k_all, self.positions, self.context - self.tail, lay.scale
+                )
             if self.probe_only:
                 raise _Probed
             if not kernel:
@@ -155,21 +175,21 @@ def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, context) -> torch.Ten
     attend (faster than SDPA over gathered K/V: docs/benchmarks.md, "Selective recompute"),
     exactly as a prefill does."""
     cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
-    return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale,
-                                           lay.cpu_isa)
+    return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale, lay.cpu_isa)
 
 
-def tail_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, first: int,
-                   scale: float) -> torch.Tensor:
+def tail_attention(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, first: int, scale: float
+) -> torch.Tensor:
     """Attention mass each key position receives from the queries at positions >= ``first``,
     summed over heads and those queries: ``[n]`` (SemShareKV's attention recovery input)."""
     sel = q_pos >= first
     n = k.shape[0]
     if not bool(sel.any()):
         return torch.zeros(n)
-    qt = q[sel].float().transpose(0, 1)                              # [Hq, t, D]
+    qt = q[sel].float().transpose(0, 1)  # [Hq, t, D]
     kt = k.float().transpose(0, 1).repeat_interleave(q.shape[1] // k.shape[1], dim=0)
-    scores = qt @ kt.transpose(1, 2) * scale                         # [Hq, t, n]
+    scores = qt @ kt.transpose(1, 2) * scale  # [Hq, t, n]
     mask = torch.arange(n)[None, :] <= q_pos[sel][:, None]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return probs.sum((0, 1))
@@ -178,10 +198,11 @@ def tail_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, first:
 class LayerRunner:
     """Drives one loaded vLLM model's decoder layers over a request's paged KV."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: dict[str, torch.Tensor],
-                 layout: PageSpec):
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: dict[str, torch.Tensor], layout: PageSpec
+    ):
         self.model = model
-        self.stack = decoder_stack(model)        # UnsupportedModel where it is not one we drive
+        self.stack = decoder_stack(model)  # UnsupportedModel where it is not one we drive
         self.embed = self.stack.embed
         self.layers: list[_Layer] = []
         isa = layout.cpu_isa if layout.backend.upper() == "CPU_ATTN" else None
@@ -190,14 +211,29 @@ class LayerRunner:
             if cache is None:
                 raise UnsupportedModel(f"no KV cache registered for {layer.layer_name}")
             layout.check(cache)
-            self.layers.append(_Layer(layer, cache, layout, isa, layer.num_heads,
-                                      layer.num_kv_heads, layer.head_size, layer.scale))
+            self.layers.append(
+                _Layer(
+                    layer,
+                    cache,
+                    layout,
+                    isa,
+                    layer.num_heads,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                    layer.scale,
+                )
+            )
         self.device = self.stack.device
 
     @torch.inference_mode()
-    def recompute(self, token_ids: list[int], block_ids: list[int],
-                  selection: Selection | np.ndarray | list[int], context: int | None = None,
-                  final_hidden: bool = False) -> RecomputeResult:
+    def recompute(
+        self,
+        token_ids: list[int],
+        block_ids: list[int],
+        selection: Selection | np.ndarray | list[int],
+        context: int | None = None,
+        final_hidden: bool = False,
+    ) -> RecomputeResult:
         """Recompute a request's positions chosen by ``selection`` (or a fixed list: sorted,
         distinct) layer by layer, attending to positions ``[0, context)`` (default: up to the
         last position). ``token_ids`` holds the request's tokens from position 0; its blocks are
@@ -223,24 +259,31 @@ class LayerRunner:
         for index, lay in enumerate(self.layers):
             want_dev, want_attn = selection.wants_probe(index)
             probe_first = selection.narrows_at(index) and (want_dev or want_attn)
-            stand_in = _RecomputeAttention(lay, block_ids, pos, all_slots[pos], context,
-                                           want_dev, selection.window if want_attn else 0,
-                                           probe_only=probe_first)
+            stand_in = _RecomputeAttention(
+                lay,
+                block_ids,
+                pos,
+                all_slots[pos],
+                context,
+                want_dev,
+                selection.window if want_attn else 0,
+                probe_only=probe_first,
+            )
             counts.append(len(pos_np))
             if probe_first:
                 # Every position's K/V first (norm + qkv only; the layer mutates its inputs in
                 # place, hence the copies), then the full layer for those the selection keeps.
                 with attention_replaced(lay.decoder, stand_in), contextlib.suppress(_Probed):
-                    lay.decoder(pos, hidden.clone(),
-                                None if residual is None else residual.clone())
+                    lay.decoder(pos, hidden.clone(), None if residual is None else residual.clone())
             else:
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
-            probe = LayerProbe(index, pos_np,
-                               None if stand_in.deviation is None
-                               else stand_in.deviation.cpu().numpy(),
-                               None if stand_in.attention is None
-                               else stand_in.attention.cpu().numpy())
+            probe = LayerProbe(
+                index,
+                pos_np,
+                None if stand_in.deviation is None else stand_in.deviation.cpu().numpy(),
+                None if stand_in.attention is None else stand_in.attention.cpu().numpy(),
+            )
             keep = selection.after_layer(probe)
             if keep is not None and len(keep) < len(pos_np):
                 pos_np = pos_np[keep]
@@ -248,8 +291,9 @@ class LayerRunner:
                 pos, hidden = pos[keep_t], hidden[keep_t]
                 residual = None if residual is None else residual[keep_t]
             if probe_first:
-                stand_in = _RecomputeAttention(lay, block_ids, pos, all_slots[pos], context,
-                                               False, 0)
+                stand_in = _RecomputeAttention(
+                    lay, block_ids, pos, all_slots[pos], context, False, 0
+                )
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
         final = None
@@ -260,7 +304,6 @@ class LayerRunner:
 
 @dataclass
 class RecomputeResult:
-    positions: np.ndarray              # recomputed through the last layer
-    hidden: torch.Tensor | None        # their final hidden states (``final_hidden``)
-    per_layer: list[int]               # how many positions each layer recomputed
-
+    positions: np.ndarray  # recomputed through the last layer
+    hidden: torch.Tensor | None  # their final hidden states (``final_hidden``)
+    per_layer: list[int]  # how many positions each layer recomputed

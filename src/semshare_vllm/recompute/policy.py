@@ -35,15 +35,15 @@ import numpy as np
 @dataclass
 class LayerProbe:
     layer: int
-    positions: np.ndarray            # the positions recomputed in this layer (sorted)
-    deviation: np.ndarray | None     # [len(positions)] relative K/V deviation from the donor
-    attention: np.ndarray | None     # [context] attention mass the last tokens paid each position
+    positions: np.ndarray  # the positions recomputed in this layer (sorted)
+    deviation: np.ndarray | None  # [len(positions)] relative K/V deviation from the donor
+    attention: np.ndarray | None  # [context] attention mass the last tokens paid each position
 
 
 class Selection:
     """Base: start with ``start``; keep everyone unless a subclass says otherwise."""
 
-    window = 0   # last tokens whose attention the probe sums (0: no attention probe)
+    window = 0  # last tokens whose attention the probe sums (0: no attention probe)
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
     # policy's first measuring layer: what the load reports as this donor's quality.
     measured: float | None = None
@@ -74,8 +74,9 @@ class Selection:
         if self.measured is None and probe.deviation is not None and len(probe.deviation):
             self.measured = float(np.sqrt(np.clip(probe.deviation, 0, None)).mean())
 
-    def _keep_top(self, probe: LayerProbe, count: int,
-                  among: np.ndarray | None = None) -> np.ndarray:
+    def _keep_top(
+        self, probe: LayerProbe, count: int, among: np.ndarray | None = None
+    ) -> np.ndarray:
         """The ``always`` positions plus the ``count`` others (of ``among``, default all) with
         the highest deviation: sorted indices into ``probe.positions``."""
         pos = probe.positions
@@ -84,7 +85,7 @@ class Selection:
         idx = np.flatnonzero(pool)
         if count < len(idx):
             order = np.argsort(-probe.deviation[idx], kind="stable")
-            idx = idx[order[:max(count, 0)]]
+            idx = idx[order[: max(count, 0)]]
         return np.sort(np.concatenate([np.flatnonzero(forced), idx]))
 
 
@@ -93,8 +94,14 @@ class Fixed(Selection):
 
 
 class CacheBlend(Selection):
-    def __init__(self, candidates, always=None, ratio: float = 0.15, check_layer: int = 1,
-                 min_tokens: int = 0):
+    def __init__(
+        self,
+        candidates,
+        always=None,
+        ratio: float = 0.15,
+        check_layer: int = 1,
+        min_tokens: int = 0,
+    ):
         super().__init__(candidates, always)
         self.ratio, self.check_layer, self.min_tokens = ratio, check_layer, min_tokens
 
@@ -108,14 +115,22 @@ class CacheBlend(Selection):
         if probe.layer != self.check_layer:
             return None
         self._measure(probe)
-        return self._keep_top(probe, max(int(round(self.ratio * len(self.candidates))),
-                                         self.min_tokens))
+        return self._keep_top(
+            probe, max(int(round(self.ratio * len(self.candidates))), self.min_tokens)
+        )
 
 
 class SemShareKV(Selection):
-    def __init__(self, candidates, always=None, hot_threshold: float = 0.55,
-                 hot_ratio: float = 0.5, cold_ratio: float = 0.1, layer_decay: float = 0.9,
-                 window: int = 32):
+    def __init__(
+        self,
+        candidates,
+        always=None,
+        hot_threshold: float = 0.55,
+        hot_ratio: float = 0.5,
+        cold_ratio: float = 0.1,
+        layer_decay: float = 0.9,
+        window: int = 32,
+    ):
         super().__init__(candidates, always)
         self.hot_threshold, self.hot_ratio, self.cold_ratio = hot_threshold, hot_ratio, cold_ratio
         self.layer_decay, self.window = layer_decay, window
@@ -154,9 +169,14 @@ def hot_positions(attention: np.ndarray, threshold: float) -> np.ndarray:
     return np.sort(order[:count])
 
 
-def always_recompute(loaded: np.ndarray, donor_pos: np.ndarray | None = None,
-                     same_token: np.ndarray | None = None, run_starts: np.ndarray | None = None,
-                     run_head: int = 4, tail: int = 8) -> np.ndarray:
+def always_recompute(
+    loaded: np.ndarray,
+    donor_pos: np.ndarray | None = None,
+    same_token: np.ndarray | None = None,
+    run_starts: np.ndarray | None = None,
+    run_head: int = 4,
+    tail: int = 8,
+) -> np.ndarray:
     """Positions of ``loaded`` whose donor KV cannot be right: no donor token, a different
     donor token (measured as no better than a random token's KV), the first ``run_head`` tokens
     of every aligned run (they attended to other tokens in the donor), and the last ``tail``
@@ -180,10 +200,21 @@ def make_selection(policy: str, loaded: np.ndarray, always: np.ndarray, config) 
     if policy == "all":
         return Fixed(loaded)
     if policy == "cacheblend":
-        return CacheBlend(loaded, always, config.recompute_ratio, config.recompute_check_layer,
-                          config.recompute_min_tokens)
+        return CacheBlend(
+            loaded,
+            always,
+            config.recompute_ratio,
+            config.recompute_check_layer,
+            config.recompute_min_tokens,
+        )
     if policy == "semsharekv":
-        return SemShareKV(loaded, always, config.semsharekv_hot_threshold,
-                          config.semsharekv_hot_ratio, config.semsharekv_cold_ratio,
-                          config.semsharekv_layer_decay, config.semsharekv_window)
+        return SemShareKV(
+            loaded,
+            always,
+            config.semsharekv_hot_threshold,
+            config.semsharekv_hot_ratio,
+            config.semsharekv_cold_ratio,
+            config.semsharekv_layer_decay,
+            config.semsharekv_window,
+        )
     raise ValueError(f"no recompute selection for policy {policy!r}")

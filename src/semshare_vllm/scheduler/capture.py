@@ -13,11 +13,16 @@ from semshare_vllm.metadata import CaptureSpec
 from semshare_vllm.scheduler.request_params import reuse_mode
 
 
-def donor_for(request, block_ids: list[int], index: DonorIndex, config: SemShareConfig,
-              geometry: KVGeometry) -> tuple[DonorRecord, CaptureSpec] | None:
+def donor_for(
+    request, block_ids: list[int], index: DonorIndex, config: SemShareConfig, geometry: KVGeometry
+) -> tuple[DonorRecord, CaptureSpec] | None:
     """The donor a finished request makes, or None (opted out, too short, already covered)."""
-    if not config.capture or geometry.unsupported or reuse_mode(request) == "off" \
-            or not keyable(request):
+    if (
+        not config.capture
+        or geometry.unsupported
+        or reuse_mode(request) == "off"
+        or not keyable(request)
+    ):
         return None
     # The KV of the last token is never computed (it was just sampled); with async scheduling
     # num_computed_tokens may already count it.
@@ -33,6 +38,11 @@ def donor_for(request, block_ids: list[int], index: DonorIndex, config: SemShare
     if len(blocks) * bs < n:  # should not happen; never read blocks we do not hold
         return None
     key = DonorKey(namespace, donor_id_for(namespace, token_ids))
-    record = DonorRecord(key, token_ids, geometry.donor_bytes(n), block_hashes(token_ids, bs),
-                         num_prompt_tokens=min(request.num_prompt_tokens, n))
+    record = DonorRecord(
+        key,
+        token_ids,
+        geometry.donor_bytes(n),
+        block_hashes(token_ids, bs),
+        num_prompt_tokens=min(request.num_prompt_tokens, n),
+    )
     return record, CaptureSpec(request.request_id, key, token_ids, blocks)

@@ -56,40 +56,66 @@ logger = logging.getLogger("vllm.semshare.scheduler")
 class SemShareScheduler:
     logger = logger
 
-    def __init__(self, config: SemShareConfig, geometry: KVGeometry,
-                 discovery: DiscoveryService | None = None, aligner: Aligner | None = None,
-                 feed: SharedDonorFeed | None = None, stats: StatsRecorder | None = None):
+    def __init__(
+        self,
+        config: SemShareConfig,
+        geometry: KVGeometry,
+        discovery: DiscoveryService | None = None,
+        aligner: Aligner | None = None,
+        feed: SharedDonorFeed | None = None,
+        stats: StatsRecorder | None = None,
+    ):
         self.config = config
         self.geometry = geometry
         # the same recorder discovery and the feed count into, from their own threads
         self.stats = StatsRecorder() if stats is None else stats
         self.discovery = None if geometry.unsupported else discovery
-        policy = make_policy(config.eviction_policy, half_life_s=config.decay_half_life_s,
-                             threshold=config.divergence_threshold)
+        policy = make_policy(
+            config.eviction_policy,
+            half_life_s=config.decay_half_life_s,
+            threshold=config.divergence_threshold,
+        )
         # The worker's pool reports its real size in its first step (update_connector_output).
         self.catalog = DonorCatalog(
-            DonorIndex(geometry.block_size, config.host_store_bytes, policy,
-                       self.discovery.index if self.discovery else None), self.stats)
-        self.search = None if self.discovery is None else SemanticSearch(
-            config, geometry.block_size, self.catalog, self.discovery, aligner, self.stats)
-        self.sharing = DonorSharing(None if geometry.unsupported else feed, geometry,
-                                    self.catalog, self.search, self.stats)
+            DonorIndex(
+                geometry.block_size,
+                config.host_store_bytes,
+                policy,
+                self.discovery.index if self.discovery else None,
+            ),
+            self.stats,
+        )
+        self.search = (
+            None
+            if self.discovery is None
+            else SemanticSearch(
+                config, geometry.block_size, self.catalog, self.discovery, aligner, self.stats
+            )
+        )
+        self.sharing = DonorSharing(
+            None if geometry.unsupported else feed, geometry, self.catalog, self.search, self.stats
+        )
         self.load_watch = LoadWatch(geometry.block_size, self.stats)
         self.requests: dict[str, RequestState] = {}
-        self.recompute_ready = False                    # the worker said it can repair
-        self._offered: list[RequestState] = []          # offers (or scoring flags) this step
+        self.recompute_ready = False  # the worker said it can repair
+        self._offered: list[RequestState] = []  # offers (or scoring flags) this step
         self._loads: list[LoadSpec] = []
         self._failed_loads: list[FailedLoad] = []
         self._captures: list[CaptureSpec] = []
-        self._capturing: set[str] = set()               # finished requests whose blocks we hold
+        self._capturing: set[str] = set()  # finished requests whose blocks we hold
         root = None
         if config.persist_dir:
             root = Path(config.persist_dir) / geometry.fingerprint
-        self.snapshots = None if root is None or self.search is None else \
-            Snapshots(root, self.catalog, self.search)
+        self.snapshots = (
+            None
+            if root is None or self.search is None
+            else Snapshots(root, self.catalog, self.search)
+        )
         if geometry.unsupported:
-            logger.warning("SemShare disabled for this model: %s; requests are computed as usual",
-                           geometry.unsupported)
+            logger.warning(
+                "SemShare disabled for this model: %s; requests are computed as usual",
+                geometry.unsupported,
+            )
         elif root is not None:
             restore(root, geometry, self.catalog, self.search, self.stats)
 
@@ -106,19 +132,20 @@ class SemShareScheduler:
     # ---- a request arrives --------------------------------------------------------------------
     @guarded("discovery")
     def on_new_request(self, request) -> None:
-        self._absorb()   # donors embedded or shared while the engine was idle join the index
+        self._absorb()  # donors embedded or shared while the engine was idle join the index
         if self.search is not None and not self.geometry.unsupported:
-            self.search.start(request, self._state(request))   # runs off this thread
+            self.search.start(request, self._state(request))  # runs off this thread
 
     # ---- vLLM asks how many tokens we can provide ---------------------------------------------
     @guarded("lookup", (0, False))
-    def get_num_new_matched_tokens(self, request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         state = self._state(request)
         state.offer = None
         if self.geometry.unsupported:
             return 0, False
-        if not keyable(request):    # prompt embeddings: their token ids say nothing
+        if not keyable(request):  # prompt embeddings: their token ids say nothing
             if not state.counted:
                 state.counted = True
                 self.stats.add("unkeyable_requests")
@@ -128,7 +155,7 @@ class SemShareScheduler:
             self.stats.add("reuse_opt_outs" if mode in ("off", "exact") else "reuse_forced")
         scoring = prefix_cache_flags.wants_cache_skip(request)
         if scoring and not (wants_prompt_logprobs(request) and reuse_limit(request) is not None):
-            mode = "off"      # vLLM would drop the claim (prompt logprobs, pooling): no lookup
+            mode = "off"  # vLLM would drop the claim (prompt logprobs, pooling): no lookup
         if mode == "off":
             state.counted = True
             return 0, False
@@ -156,15 +183,21 @@ class SemShareScheduler:
             nothing_left = max(end, num_computed_tokens) >= limit
             if self.search.poll_lookup(request, state, nothing_left):
                 return None, False
-            plan = self.search.plan(request, state, num_computed_tokens, max(claim, 0),
-                                    self.recompute_ready)
+            plan = self.search.plan(
+                request, state, num_computed_tokens, max(claim, 0), self.recompute_ready
+            )
             if plan is WAIT:
                 return None, False
         if plan is not None and not vllm_block_hashes.make_request_only(
-                request, plan.start, self.geometry.block_size):
+            request, plan.start, self.geometry.block_size
+        ):
             # Approximate KV must stay out of vLLM's exact prefix cache.
-            warn_once(logger, "request_only", "SemShare: this vLLM's requests have no block hasher "
-                      "the connector can wrap; semantic reuse is off")
+            warn_once(
+                logger,
+                "request_only",
+                "SemShare: this vLLM's requests have no block hasher "
+                "the connector can wrap; semantic reuse is off",
+            )
             plan = None
         if plan is not None:
             self._offer(state, plan)
@@ -182,7 +215,7 @@ class SemShareScheduler:
     @guarded("load planning", on_fault="_report_unplanned_load")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
-        state.loaded_blocks = None              # (re-allocated after preemption)
+        state.loaded_blocks = None  # (re-allocated after preemption)
         scoring = state.scoring is not None
         if scoring:
             prefix_cache_flags.restore_cache_skip(request)
@@ -191,8 +224,7 @@ class SemShareScheduler:
             state.scoring = None
             return
         block_ids = list(blocks.get_block_ids()[0])
-        spec = load_spec(request, offer, block_ids, num_external_tokens, self.config,
-                         self.geometry)
+        spec = load_spec(request, offer, block_ids, num_external_tokens, self.config, self.geometry)
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")
@@ -205,13 +237,13 @@ class SemShareScheduler:
         record = self.index.get(spec.key)
         if record is not None:
             record.hits += 1
-            if self.config.kv_tier != "host":   # the worker may have to fetch it from there
+            if self.config.kv_tier != "host":  # the worker may have to fetch it from there
                 spec.donor_token_ids = list(record.token_ids)
-                if record.kv_digests:            # another instance's: what it must fetch
+                if record.kv_digests:  # another instance's: what it must fetch
                     spec.donor_kv_digests = list(record.kv_digests)
         self.stats.add("hits")
         self.stats.add("hit_tokens", spec.num_tokens)
-        self._loads.append(spec)     # last: a fault above leaves only the failed load
+        self._loads.append(spec)  # last: a fault above leaves only the failed load
         state.offer = state.scoring = None
 
     def _report_unplanned_load(self, request, blocks, num_external_tokens: int) -> None:
@@ -227,10 +259,13 @@ class SemShareScheduler:
     # ---- once per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> SemShareConnectorMetadata:
         meta = SemShareConnectorMetadata(
-            evictions=self.catalog.take_evictions(), captures=self._captures, loads=self._loads,
-            failed_loads=self._failed_loads)
+            evictions=self.catalog.take_evictions(),
+            captures=self._captures,
+            loads=self._loads,
+            failed_loads=self._failed_loads,
+        )
         self._captures, self._loads, self._failed_loads = [], [], []
-        for state in self._offered:     # offered, not allocated this step
+        for state in self._offered:  # offered, not allocated this step
             if state.scoring is not None:
                 prefix_cache_flags.restore_cache_skip(state.scoring)
             state.offer = state.scoring = None
@@ -263,26 +298,27 @@ class SemShareScheduler:
         if made is None:
             return False, None
         record, capture = made
-        if not self.catalog.add(record):   # larger than the whole store
+        if not self.catalog.add(record):  # larger than the whole store
             return False, None
         self.sharing.announce(record)
         self._captures.append(capture)
         self._capturing.add(request.request_id)
         self.stats.add("donors_registered")
-        return True, None                  # vLLM keeps its blocks until the worker copied them
+        return True, None  # vLLM keeps its blocks until the worker copied them
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._capturing)
 
     # ---- what the worker reported -------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        self.load_watch.kv_cache_manager = kv_cache_manager   # failed blocks leave its cache
+        self.load_watch.kv_cache_manager = kv_cache_manager  # failed blocks leave its cache
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._capturing.discard(req_id)
-        self.load_watch.on_output(getattr(connector_output, "invalid_block_ids", None),
-                                  self.requests)
+        self.load_watch.on_output(
+            getattr(connector_output, "invalid_block_ids", None), self.requests
+        )
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, SemShareWorkerMetadata):
             self._take_worker_report(meta)
@@ -293,11 +329,12 @@ class SemShareScheduler:
             # A worker turned itself off (a layout it cannot address, no pool): its loads would
             # all fail. No more claims, captures or lookups (each checks ``unsupported``).
             self.geometry = replace(self.geometry, unsupported=f"worker: {meta.disabled}")
-            logger.warning("SemShare disabled by the worker: %s; requests are computed as usual",
-                           meta.disabled)
+            logger.warning(
+                "SemShare disabled by the worker: %s; requests are computed as usual", meta.disabled
+            )
         if meta.recompute_ready is not None:
             self.recompute_ready = meta.recompute_ready
-        for key, deviation in meta.deviations:   # feeds the "divergence" eviction policy
+        for key, deviation in meta.deviations:  # feeds the "divergence" eviction policy
             if key in self.index:
                 self.catalog.report_deviation(key, min(1.0, deviation))
         if meta.capacity_bytes is not None:

@@ -12,7 +12,7 @@ class DonorCatalog:
     def __init__(self, index: DonorIndex, stats: StatsRecorder):
         self.index = index
         self.stats = stats
-        self.changed = False                  # a snapshot of the embeddings is due
+        self.changed = False  # a snapshot of the embeddings is due
         self._evictions: list[DonorKey] = []  # for the worker's next step
 
     def add(self, record: DonorRecord) -> bool:

@@ -17,24 +17,45 @@ from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 FAILURE_REPORT_OUTPUTS = 3
 
 
-def load_spec(request, offer: PrefixMatch | SemanticPlan, block_ids: list[int],
-              num_external_tokens: int, config: SemShareConfig,
-              geometry: KVGeometry) -> LoadSpec:
+def load_spec(
+    request,
+    offer: PrefixMatch | SemanticPlan,
+    block_ids: list[int],
+    num_external_tokens: int,
+    config: SemShareConfig,
+    geometry: KVGeometry,
+) -> LoadSpec:
     """What the worker loads for ``offer``, of which vLLM took ``num_external_tokens``."""
     if isinstance(offer, SemanticPlan):
-        plan = offer if num_external_tokens >= offer.num_tokens else \
-            offer.truncated(num_external_tokens)     # vLLM took less than offered
+        plan = (
+            offer
+            if num_external_tokens >= offer.num_tokens
+            else offer.truncated(num_external_tokens)
+        )  # vLLM took less than offered
         return LoadSpec(
-            req_id=request.request_id, key=plan.key, src_start=0, dst_start=plan.start,
-            num_tokens=plan.num_tokens, block_ids=block_ids, policy=config.recompute_policy,
-            always=plan.always, token_ids=list(request.all_token_ids[:plan.end]),
-            donor_pos=plan.donor_pos)
+            req_id=request.request_id,
+            key=plan.key,
+            src_start=0,
+            dst_start=plan.start,
+            num_tokens=plan.num_tokens,
+            block_ids=block_ids,
+            policy=config.recompute_policy,
+            always=plan.always,
+            token_ids=list(request.all_token_ids[: plan.end]),
+            donor_pos=plan.donor_pos,
+        )
     start = offer.num_tokens - num_external_tokens
-    spec = LoadSpec(req_id=request.request_id, key=offer.key, src_start=start, dst_start=start,
-                    num_tokens=num_external_tokens, block_ids=block_ids)
+    spec = LoadSpec(
+        req_id=request.request_id,
+        key=offer.key,
+        src_start=start,
+        dst_start=start,
+        num_tokens=num_external_tokens,
+        block_ids=block_ids,
+    )
     if config.recompute_policy == "all" and not geometry.exact_only:  # (fp8: not repairable)
         spec.policy = "all"
-        spec.token_ids = list(request.all_token_ids[:start + num_external_tokens])
+        spec.token_ids = list(request.all_token_ids[: start + num_external_tokens])
     return spec
 
 
@@ -62,11 +83,11 @@ class LoadWatch:
         # loads of requests that finished before their step's output came back: their failure
         # may still be reported (async scheduling) -> (blocks, outputs left to wait)
         self._finished: dict[str, tuple[list[int], int]] = {}
-        self.kv_cache_manager = None   # vLLM's, for evicting failed blocks
+        self.kv_cache_manager = None  # vLLM's, for evicting failed blocks
 
     def watch(self, state: RequestState, block_ids: list[int], start: int) -> None:
         """The request's blocks from the one holding ``start`` (the first a load writes) on."""
-        state.loaded_blocks = block_ids[start // self.block_size:]
+        state.loaded_blocks = block_ids[start // self.block_size :]
 
     def finished(self, state: RequestState) -> None:
         if state.loaded_blocks is not None:
@@ -95,7 +116,7 @@ class LoadWatch:
             bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
             if bad is None:
                 continue
-            if state is not None:      # (a finished one is past capturing)
+            if state is not None:  # (a finished one is past capturing)
                 state.load_failed = True
             vllm_block_hashes.evict_cached(self.kv_cache_manager, blocks[bad:])
             self.stats.add("failed_blocks_uncached", len(blocks) - bad)

@@ -25,8 +25,13 @@ logger = logging.getLogger("vllm.semshare.scheduler")
 SNAPSHOT_INTERVAL_S = 30.0
 
 
-def restore(root: Path, geometry: KVGeometry, catalog: DonorCatalog,
-            search: SemanticSearch | None, stats: StatsRecorder) -> None:
+def restore(
+    root: Path,
+    geometry: KVGeometry,
+    catalog: DonorCatalog,
+    search: SemanticSearch | None,
+    stats: StatsRecorder,
+) -> None:
     """Index the donors persisted under ``root``, with their saved embeddings and reuse history
     (a donor missing from the snapshot is embedded again)."""
     if not root.is_dir():
@@ -39,18 +44,23 @@ def restore(root: Path, geometry: KVGeometry, catalog: DonorCatalog,
             header = donor_file.read_header(path)
             for rank in range(1, tp):
                 donor_file.read_header(donor_file.donor_path(root, header.donor_id, rank, tp))
-            if (donor_id_for(header.namespace, header.token_ids) != header.donor_id
-                    or list(geometry.layer_names) != header.layer_names):
+            if (
+                donor_id_for(header.namespace, header.token_ids) != header.donor_id
+                or list(geometry.layer_names) != header.layer_names
+            ):
                 raise donor_file.CorruptDonorFile(f"{path}: identity does not match contents")
         except donor_file.CorruptDonorFile as exc:
             warn_once(logger, "restore", "SemShare: skipping persisted donor: %s", exc)
             stats.add("persisted_skipped")
             continue
         n = len(header.token_ids)
-        record = DonorRecord(DonorKey(header.namespace, header.donor_id), header.token_ids,
-                             geometry.donor_bytes(n),
-                             block_hashes(header.token_ids, geometry.block_size))
-        catalog.evict(catalog.index.add(record))   # (one larger than the store: its file too)
+        record = DonorRecord(
+            DonorKey(header.namespace, header.donor_id),
+            header.token_ids,
+            geometry.donor_bytes(n),
+            block_hashes(header.token_ids, geometry.block_size),
+        )
+        catalog.evict(catalog.index.add(record))  # (one larger than the store: its file too)
         stats.add("donors_restored")
     index = catalog.index
     if len(index):
@@ -70,11 +80,11 @@ def restore(root: Path, geometry: KVGeometry, catalog: DonorCatalog,
 
 
 def _remove_partials(root: Path, stats: StatsRecorder) -> None:
-    for partial in donor_file.stale_partials(root):   # a writer killed mid-write
+    for partial in donor_file.stale_partials(root):  # a writer killed mid-write
         try:
             partial.unlink(missing_ok=True)
             stats.add("persisted_incomplete")
-        except OSError as exc:     # another user's file: left, never read
+        except OSError as exc:  # another user's file: left, never read
             warn_once(logger, "partial", "SemShare: cannot remove %s: %s", partial, exc)
 
 
@@ -99,8 +109,23 @@ class Snapshots:
 
         def write():  # on the discovery thread: entries are built there too
             now = time.monotonic()
-            write_snapshot(root, [SnapshotEntry(
-                r.key.namespace, r.key.donor_id, r.embedding, r.fingerprint, r.hits,
-                now - r.last_used, r.deviation_reports, r.deviation, r.demoted)
-                for r in records], embedder_id)
+            write_snapshot(
+                root,
+                [
+                    SnapshotEntry(
+                        r.key.namespace,
+                        r.key.donor_id,
+                        r.embedding,
+                        r.fingerprint,
+                        r.hits,
+                        now - r.last_used,
+                        r.deviation_reports,
+                        r.deviation,
+                        r.demoted,
+                    )
+                    for r in records
+                ],
+                embedder_id,
+            )
+
         return self.search.discovery.write_snapshot(write)

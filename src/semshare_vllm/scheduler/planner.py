@@ -36,18 +36,18 @@ from semshare_vllm.recompute.policy import always_recompute
 
 logger = logging.getLogger("vllm.semshare.planner")
 
-KEPT_DONORS = 256   # donors whose alignment features the discovery thread keeps (LRU)
+KEPT_DONORS = 256  # donors whose alignment features the discovery thread keeps (LRU)
 
 
 @dataclass
 class SemanticPlan:
     key: Hashable
-    start: int                 # first claimed position (vLLM's own prefix-cache hit ends here)
-    end: int                   # one past the last claimed position
-    donor_pos: list[int]       # per claimed position: the donor position, or -1
-    always: list[int]          # claimed positions the recompute must redo in every layer
-    exact_tokens: int          # claimed positions taking the same token's KV
-    fuzzy_tokens: int          # claimed positions taking another token's KV (always redone)
+    start: int  # first claimed position (vLLM's own prefix-cache hit ends here)
+    end: int  # one past the last claimed position
+    donor_pos: list[int]  # per claimed position: the donor position, or -1
+    always: list[int]  # claimed positions the recompute must redo in every layer
+    exact_tokens: int  # claimed positions taking the same token's KV
+    fuzzy_tokens: int  # claimed positions taking another token's KV (always redone)
 
     @property
     def num_tokens(self) -> int:
@@ -58,23 +58,34 @@ class SemanticPlan:
         new last position always recomputed; the token counts stay the full plan's."""
         end = self.start + num_tokens
         pos = np.asarray(self.donor_pos[:num_tokens])
-        return SemanticPlan(self.key, self.start, end, pos.tolist(),
-                            [p for p in self.always if p < end] + [end - 1],
-                            self.exact_tokens, self.fuzzy_tokens)
+        return SemanticPlan(
+            self.key,
+            self.start,
+            end,
+            pos.tolist(),
+            [p for p in self.always if p < end] + [end - 1],
+            self.exact_tokens,
+            self.fuzzy_tokens,
+        )
 
 
 class Aligner:
     """What the alignment needs in the scheduler process (the input-embedding table, the
     sentence splitter), loaded once, lazily, on the discovery thread."""
 
-    def __init__(self, params: AlignParams, model_path: str | None, tokenizer_path: str | None,
-                 sketch_dim: int = -1):
+    def __init__(
+        self,
+        params: AlignParams,
+        model_path: str | None,
+        tokenizer_path: str | None,
+        sketch_dim: int = -1,
+    ):
         self.params = params
         self._model_path, self._tokenizer_path = model_path, tokenizer_path
         self._sketch = sketch_dim
         self._loaded = False
-        self._load_lock = threading.Lock()   # the table loads once, whichever thread asks first
-        self._lock = threading.Lock()        # guards _kept
+        self._load_lock = threading.Lock()  # the table loads once, whichever thread asks first
+        self._lock = threading.Lock()  # guards _kept
         self.table: EmbeddingTable | None = None
         self.splitter: SentenceSplitter | None = None
         self._kept: collections.OrderedDict[Hashable, DonorFeatures] = collections.OrderedDict()
@@ -88,8 +99,11 @@ class Aligner:
                 if self._model_path:
                     self.table = EmbeddingTable.load(self._model_path, self._sketch)
             except Exception as exc:  # alignment goes on with the exact and edit stages
-                logger.warning("SemShare: no input embeddings for alignment (%s); the sentence "
-                               "and LSH stages are off", exc)
+                logger.warning(
+                    "SemShare: no input embeddings for alignment (%s); the sentence "
+                    "and LSH stages are off",
+                    exc,
+                )
             try:
                 if self._tokenizer_path:
                     from transformers import AutoTokenizer
@@ -104,16 +118,16 @@ class Aligner:
         the first hit pays for none of it (background thread, at start-up)."""
         self._load()
         text = np.arange(1000, 1200, dtype=np.int64)
-        align(np.concatenate([text[100:], text[:100]]), text, self.params, self.table,
-              self.splitter)
+        align(
+            np.concatenate([text[100:], text[:100]]), text, self.params, self.table, self.splitter
+        )
 
     def prepare(self, key: Hashable, tokens: list[int]) -> None:
         """Compute a new donor's features ahead of its first hit (background thread)."""
         self._load()
         self._features(key, tokens, compute=True)
 
-    def _features(self, key: Hashable, tokens: list[int],
-                  compute: bool = False) -> DonorFeatures:
+    def _features(self, key: Hashable, tokens: list[int], compute: bool = False) -> DonorFeatures:
         """The donor's side of alignments (LSH codes, sentence vectors), kept for the most
         recently used donors: a donor id is a hash of its tokens, so an entry never goes
         stale. Used from the lookup and the background thread."""
@@ -129,22 +143,23 @@ class Aligner:
                 self._kept.popitem(last=False)
         return features
 
-    def best(self, target: list[int], start: int,
-             donors: list[tuple[Hashable, list[int]]]) -> tuple[Hashable, Alignment] | None:
+    def best(
+        self, target: list[int], start: int, donors: list[tuple[Hashable, list[int]]]
+    ) -> tuple[Hashable, Alignment] | None:
         """The donor whose alignment covers most of ``target[start:-1]``."""
         self._load()
         best, best_cov = None, -1.0
         for key, tokens in donors:
-            al = align(target, self._features(key, tokens), self.params, self.table,
-                       self.splitter)
+            al = align(target, self._features(key, tokens), self.params, self.table, self.splitter)
             cov = coverage(al, start, len(target) - 1)
             if cov > best_cov:
                 best, best_cov = (key, al), cov
         return best
 
 
-def plan_claim(key: Hashable, al: Alignment, start: int, end: int, run_head: int,
-               tail: int) -> SemanticPlan:
+def plan_claim(
+    key: Hashable, al: Alignment, start: int, end: int, run_head: int, tail: int
+) -> SemanticPlan:
     """Claim ``[start, end)`` of the request from donor ``key`` aligned by ``al``."""
     loaded = np.arange(start, end)
     donor_pos = al.donor_pos[start:end]
@@ -153,8 +168,9 @@ def plan_claim(key: Hashable, al: Alignment, start: int, end: int, run_head: int
     always = always_recompute(loaded, al.donor_pos, same, run_starts, run_head, tail)
     aligned = donor_pos >= 0
     exact = int((aligned & same[start:end]).sum())
-    return SemanticPlan(key, start, end, donor_pos.tolist(), always.tolist(), exact,
-                        int(aligned.sum()) - exact)
+    return SemanticPlan(
+        key, start, end, donor_pos.tolist(), always.tolist(), exact, int(aligned.sum()) - exact
+    )
 
 
 def coverage(al: Alignment, start: int, end: int) -> float:

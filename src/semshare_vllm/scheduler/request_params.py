@@ -22,13 +22,18 @@ def _transfer_param(request, name: str, default=None):
 
 
 def reuse_mode(request) -> str:
-    """"auto" (the config decides), "off" (no reuse, and the request is not kept as a donor),
+    """ "auto" (the config decides), "off" (no reuse, and the request is not kept as a donor),
     "exact" (exact-prefix reuse only), "semantic" (a semantic donor is used whatever its
     alignment coverage, as long as the worker can repair it)."""
     mode = _transfer_param(request, "semshare", "auto")
     if mode not in REUSE_MODES:
-        warn_once(logger, f"mode:{mode!s:.40}", "SemShare: kv_transfer_params semshare=%r is "
-                  "not one of %s; using \"auto\"", mode, ", ".join(REUSE_MODES))
+        warn_once(
+            logger,
+            f"mode:{mode!s:.40}",
+            'SemShare: kv_transfer_params semshare=%r is not one of %s; using "auto"',
+            mode,
+            ", ".join(REUSE_MODES),
+        )
         return "auto"
     return mode
 
@@ -42,8 +47,13 @@ def reuse_limit(request) -> int | None:
     if limit is None:
         return None
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        warn_once(logger, "reuse_limit", "SemShare: kv_transfer_params semshare_reuse_limit=%r "
-                  "is not a non-negative integer; ignored", limit)
+        warn_once(
+            logger,
+            "reuse_limit",
+            "SemShare: kv_transfer_params semshare_reuse_limit=%r "
+            "is not a non-negative integer; ignored",
+            limit,
+        )
         return None
     return limit
 

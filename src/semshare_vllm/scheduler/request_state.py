@@ -20,11 +20,11 @@ class DiscoveryJob:
     """A donor search or an alignment running on the discovery thread for the request; vLLM
     re-asks each step, and the request waits for the job until its deadline."""
 
-    kind: str                    # "lookup" or "align"
+    kind: str  # "lookup" or "align"
     future: Future
     started: float = field(default_factory=time.monotonic)
-    asked: float | None = None   # when vLLM first wanted to schedule the request
-    held: float | None = None    # when we last told it to wait
+    asked: float | None = None  # when vLLM first wanted to schedule the request
+    held: float | None = None  # when we last told it to wait
 
     def cancel(self) -> None:
         self.future.cancel()
@@ -42,18 +42,18 @@ class SemanticMatch:
 @dataclass
 class RequestState:
     req_id: str
-    counted: bool = False                      # its lookup is in the stats (vLLM re-asks)
-    job: DiscoveryJob | None = None            # search or alignment in flight
-    found: SemanticMatch | None = None         # donors its search found
-    aligned: tuple[DonorKey, Alignment] | None = None   # the donor its alignment chose
+    counted: bool = False  # its lookup is in the stats (vLLM re-asks)
+    job: DiscoveryJob | None = None  # search or alignment in flight
+    found: SemanticMatch | None = None  # donors its search found
+    aligned: tuple[DonorKey, Alignment] | None = None  # the donor its alignment chose
     # offered this step (an exact prefix or a semantic plan), until vLLM allocates for it
     offer: PrefixMatch | SemanticPlan | None = None
-    scoring: object | None = None              # the request, let past skip_reading_prefix_cache
-    approximate: bool = False                  # served from a semantic donor: never a donor
+    scoring: object | None = None  # the request, let past skip_reading_prefix_cache
+    approximate: bool = False  # served from a semantic donor: never a donor
     # its blocks from the first one a load writes (a failed load's blocks, and those computed
     # after them, leave vLLM's prefix cache)
     loaded_blocks: list[int] | None = None
-    load_failed: bool = False                  # never captured as a donor
+    load_failed: bool = False  # never captured as a donor
 
     def drop_job(self) -> None:
         if self.job is not None:

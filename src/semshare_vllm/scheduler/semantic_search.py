@@ -23,12 +23,19 @@ from semshare_vllm.scheduler.planner import Aligner, SemanticPlan, coverage, pla
 from semshare_vllm.scheduler.request_params import claim_limit, reuse_limit, reuse_mode
 from semshare_vllm.scheduler.request_state import DiscoveryJob, RequestState, SemanticMatch
 
-WAIT = object()   # "ask again next step": the request's job is still running
+WAIT = object()  # "ask again next step": the request's job is still running
 
 
 class SemanticSearch:
-    def __init__(self, config: SemShareConfig, block_size: int, catalog: DonorCatalog,
-                 discovery: DiscoveryService, aligner: Aligner | None, stats: StatsRecorder):
+    def __init__(
+        self,
+        config: SemShareConfig,
+        block_size: int,
+        catalog: DonorCatalog,
+        discovery: DiscoveryService,
+        aligner: Aligner | None,
+        stats: StatsRecorder,
+    ):
         self.config = config
         self.block_size = block_size
         self.catalog = catalog
@@ -53,7 +60,7 @@ class SemanticSearch:
         namespace = namespace_of(request)
         if d.index.size(namespace) == 0:
             return  # nothing to find: never make a request wait for an empty namespace
-        tokens = list(request.all_token_ids[:request.num_prompt_tokens])
+        tokens = list(request.all_token_ids[: request.num_prompt_tokens])
         exact = self.catalog.index.longest_prefix(namespace, tokens)
         if exact is not None and exact.num_tokens >= claim_limit(request, self.block_size):
             return  # an exact donor already covers all we could claim: no search to pay for
@@ -113,13 +120,23 @@ class SemanticSearch:
         else:
             self.stats.add("semantic_misses")
 
-    def plan(self, request, state: RequestState, num_computed: int, exact_claim: int,
-             recompute_ready: bool) -> SemanticPlan | object | None:
+    def plan(
+        self,
+        request,
+        state: RequestState,
+        num_computed: int,
+        exact_claim: int,
+        recompute_ready: bool,
+    ) -> SemanticPlan | object | None:
         """A ``SemanticPlan`` for the request, ``WAIT`` while its alignment runs, or None."""
         mode = reuse_mode(request)
-        if (state.found is None and state.job is None and state.aligned is None) or \
-                self.aligner is None or not recompute_ready or mode in ("off", "exact") \
-                or not semantic_allowed(request):
+        if (
+            (state.found is None and state.job is None and state.aligned is None)
+            or self.aligner is None
+            or not recompute_ready
+            or mode in ("off", "exact")
+            or not semantic_allowed(request)
+        ):
             return None
         if state.aligned is None:
             waiting = self._align(request, state, num_computed)
@@ -131,31 +148,38 @@ class SemanticSearch:
         if record is None or record.demoted or key.namespace != namespace_of(request):
             state.aligned = None
             return None
-        end = request.num_prompt_tokens - 1          # vLLM computes the last prompt token
+        end = request.num_prompt_tokens - 1  # vLLM computes the last prompt token
         limit = reuse_limit(request)
         if limit is not None:
             end = min(end, limit)
         if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
             return None
-        if coverage(al, num_computed, end) < self.config.min_alignment_coverage and \
-                mode != "semantic":
+        if (
+            coverage(al, num_computed, end) < self.config.min_alignment_coverage
+            and mode != "semantic"
+        ):
             return None
-        return plan_claim(key, al, num_computed, end, self.config.recompute_run_head,
-                          self.config.recompute_tail)
+        return plan_claim(
+            key, al, num_computed, end, self.config.recompute_run_head, self.config.recompute_tail
+        )
 
     def _align(self, request, state: RequestState, num_computed: int):
         """Start or poll the request's alignment: False once ``state.aligned`` is set, else
         ``WAIT`` or None (no alignment to use)."""
         if state.job is None:
             index = self.catalog.index
-            donors = [(c.key, list(index.get(c.key).token_ids))
-                      for c in state.found.candidates if index.get(c.key) is not None]
+            donors = [
+                (c.key, list(index.get(c.key).token_ids))
+                for c in state.found.candidates
+                if index.get(c.key) is not None
+            ]
             if not donors:
                 return None
-            target = list(request.all_token_ids[:request.num_prompt_tokens])
+            target = list(request.all_token_ids[: request.num_prompt_tokens])
             aligner = self.aligner
-            state.job = DiscoveryJob("align", self.discovery.run(
-                lambda: aligner.best(target, num_computed, donors)))
+            state.job = DiscoveryJob(
+                "align", self.discovery.run(lambda: aligner.best(target, num_computed, donors))
+            )
         job = state.job
         waiting = self._wait(job)
         if waiting:

@@ -19,9 +19,16 @@ from semshare_vllm.scheduler.semantic_search import SemanticSearch
 
 logger = logging.getLogger("vllm.semshare.scheduler")
 
+
 class DonorSharing:
-    def __init__(self, feed: SharedDonorFeed | None, geometry: KVGeometry,
-                 catalog: DonorCatalog, search: SemanticSearch | None, stats: StatsRecorder):
+    def __init__(
+        self,
+        feed: SharedDonorFeed | None,
+        geometry: KVGeometry,
+        catalog: DonorCatalog,
+        search: SemanticSearch | None,
+        stats: StatsRecorder,
+    ):
         self.feed = feed
         self.geometry = geometry
         self.catalog = catalog
@@ -38,8 +45,13 @@ class DonorSharing:
                 search.embed_donor(record)
             return
         feed, key = self.feed, record.key
-        shared = SharedDonor(key.namespace, key.donor_id, list(record.token_ids),
-                             len(record.prompt_token_ids), self.geometry.tp_size)
+        shared = SharedDonor(
+            key.namespace,
+            key.donor_id,
+            list(record.token_ids),
+            len(record.prompt_token_ids),
+            self.geometry.tp_size,
+        )
         if search is None or search.discovery.failed:
             feed.publish(shared)
             return
@@ -48,6 +60,7 @@ class DonorSharing:
         def with_embedding(embedded) -> None:
             shared.embedding, shared.fingerprint = embedded.embedding, embedded.fingerprint
             feed.publish(shared)
+
         search.embed_donor(record, with_embedding)
 
     def absorb(self) -> None:
@@ -58,28 +71,36 @@ class DonorSharing:
         for shared in self.feed.take_arrived():
             try:
                 self._add(shared)
-            except Exception as exc:   # a malformed record costs that record, nothing more
+            except Exception as exc:  # a malformed record costs that record, nothing more
                 self.stats.add("shared_records_dropped")
-                warn_once(logger, "shared_record", "SemShare: a shared donor record was not "
-                          "usable: %s", exc)
+                warn_once(
+                    logger,
+                    "shared_record",
+                    "SemShare: a shared donor record was not usable: %s",
+                    exc,
+                )
 
     def _add(self, shared: SharedDonor) -> None:
         key = DonorKey(shared.namespace, shared.donor_id)
         tokens = shared.token_ids
         if not tokens or donor_id_for(shared.namespace, tokens) != shared.donor_id:
-            self.stats.add("shared_records_dropped")   # not what its id says it is
+            self.stats.add("shared_records_dropped")  # not what its id says it is
             return
         if len(shared.kv_digests) != self.geometry.tp_size:
-            self.stats.add("shared_records_dropped")   # its KV could not be checked on fetch
+            self.stats.add("shared_records_dropped")  # its KV could not be checked on fetch
             return
         index = self.catalog.index
         if key in index or index.covers(shared.namespace, tokens):
             return
         n = len(tokens)
-        record = DonorRecord(key, tokens, self.geometry.donor_bytes(n),
-                             block_hashes(tokens, self.geometry.block_size),
-                             num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n),
-                             kv_digests=list(shared.kv_digests))
+        record = DonorRecord(
+            key,
+            tokens,
+            self.geometry.donor_bytes(n),
+            block_hashes(tokens, self.geometry.block_size),
+            num_prompt_tokens=min(max(shared.num_prompt_tokens, 1), n),
+            kv_digests=list(shared.kv_digests),
+        )
         if not self.catalog.add(record):
             return
         self.stats.add("donors_shared_in")
@@ -87,7 +108,6 @@ class DonorSharing:
         if search is None:
             return
         if shared.embedding is None or shared.embedder_id != search.discovery.embedder_id:
-            search.embed_donor(record)   # embedded here, as a donor captured here would be
-        elif self.catalog.set_embedding(key, record.serial, shared.embedding,
-                                        shared.fingerprint):
+            search.embed_donor(record)  # embedded here, as a donor captured here would be
+        elif self.catalog.set_embedding(key, record.serial, shared.embedding, shared.fingerprint):
             search.prepare_alignment(record)

@@ -28,8 +28,9 @@ class DonorKVStore(ABC):
         it (full, unreachable) returns False and says why in its log, never by raising."""
 
     @abstractmethod
-    def get(self, key: DonorKey, token_ids: Sequence[int], start: int = 0,
-            end: int | None = None) -> torch.Tensor | None:
+    def get(
+        self, key: DonorKey, token_ids: Sequence[int], start: int = 0, end: int | None = None
+    ) -> torch.Tensor | None:
         """Rows ``[start, end)`` of the donor (``end``: its last token), or None when the store
         does not hold all of them."""
 

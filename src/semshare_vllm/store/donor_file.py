@@ -55,8 +55,15 @@ def checksum(kv: torch.Tensor) -> str:
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def write(path: Path, namespace: str, donor_id: str, token_ids: list[int],
-          layer_names: list[str], layout: str, pages: torch.Tensor) -> None:
+def write(
+    path: Path,
+    namespace: str,
+    donor_id: str,
+    token_ids: list[int],
+    layer_names: list[str],
+    layout: str,
+    pages: torch.Tensor,
+) -> None:
     """Write a donor file atomically (temp file, fsync, rename)."""
     pages = pages.contiguous()
     meta = {
@@ -70,8 +77,7 @@ def write(path: Path, namespace: str, donor_id: str, token_ids: list[int],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     # The writer's pid in the name: a restart removes what a killed writer left (``stale_partials``)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_writer()}-", suffix=SUFFIX,
-                               dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_writer()}-", suffix=SUFFIX, dir=path.parent)
     os.close(fd)
     try:
         save_file({"pages": pages}, tmp, metadata=meta)
@@ -98,10 +104,15 @@ def read_header(path: Path) -> DonorHeader:
             raise CorruptDonorFile(f"{path}: {size} bytes, header promises {8 + n + end}")
         if meta.get("format") != FORMAT_VERSION or set(header) != {"pages"}:
             raise CorruptDonorFile(f"{path}: not a semshare donor file of format {FORMAT_VERSION}")
-        return DonorHeader(path=path, namespace=meta["namespace"], donor_id=meta["donor_id"],
-                           token_ids=json.loads(meta["token_ids"]),
-                           layer_names=json.loads(meta["layer_names"]),
-                           layout=meta["layout"], checksum=meta["checksum"])
+        return DonorHeader(
+            path=path,
+            namespace=meta["namespace"],
+            donor_id=meta["donor_id"],
+            token_ids=json.loads(meta["token_ids"]),
+            layer_names=json.loads(meta["layer_names"]),
+            layout=meta["layout"],
+            checksum=meta["checksum"],
+        )
     except CorruptDonorFile:
         raise
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
@@ -129,16 +140,16 @@ def stale_partials(root: Path) -> list[Path]:
     stale = []
     here = _writer().split("@", 1)[1]
     for path in root.glob(f"{_TMP_PREFIX}*{SUFFIX}"):
-        pid, _, host = path.name[len(_TMP_PREFIX):].split("-", 1)[0].partition("@")
+        pid, _, host = path.name[len(_TMP_PREFIX) :].split("-", 1)[0].partition("@")
         try:
             if host == here and pid.isdigit() and int(pid) < 2**31:
                 os.kill(int(pid), 0)
-                continue                          # its writer is alive
+                continue  # its writer is alive
             if time.time() - path.stat().st_mtime < STALE_PARTIAL_S:
                 continue
         except ProcessLookupError:
             pass
-        except (OSError, ValueError, OverflowError):   # EPERM: alive, another user's; vanished
+        except (OSError, ValueError, OverflowError):  # EPERM: alive, another user's; vanished
             continue
         stale.append(path)
     return stale

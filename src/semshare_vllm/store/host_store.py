@@ -52,10 +52,14 @@ def fit_to_memory(budget: int, tp_size: int = 1) -> int:
 
     ceiling = int(psutil.virtual_memory().available * MAX_AVAILABLE_FRACTION) // max(tp_size, 1)
     if budget > ceiling:
-        logger.warning("SemShare: host_store_bytes=%d exceeds %.0f%% of available host memory; "
-                       "using %d bytes per rank (set VLLM_CPU_KVCACHE_SPACE lower on CPU, or "
-                       "host_store_bytes explicitly)", budget, 100 * MAX_AVAILABLE_FRACTION,
-                       ceiling)
+        logger.warning(
+            "SemShare: host_store_bytes=%d exceeds %.0f%% of available host memory; "
+            "using %d bytes per rank (set VLLM_CPU_KVCACHE_SPACE lower on CPU, or "
+            "host_store_bytes explicitly)",
+            budget,
+            100 * MAX_AVAILABLE_FRACTION,
+            ceiling,
+        )
         return ceiling
     return budget
 
@@ -67,10 +71,19 @@ class DonorUnavailable(RuntimeError):
 class HostKVStore(DonorKVStore):
     name = "host"
 
-    def __init__(self, capacity_bytes: int, layer_names: list[str], page_shape: tuple[int, ...],
-                 dtype: torch.dtype, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
-                 persist_root: Path | None = None, pin_memory: bool = False,
-                 page_layout: PageSpec | None = None):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        layer_names: list[str],
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        layout: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        persist_root: Path | None = None,
+        pin_memory: bool = False,
+        page_layout: PageSpec | None = None,
+    ):
         self.layer_names = list(layer_names)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -78,8 +91,9 @@ class HostKVStore(DonorKVStore):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = len(layer_names) * itemsize * int(torch.Size(page_shape).numel())
         num_blocks = capacity_bytes // self.block_bytes
-        self.pool = torch.empty((len(layer_names), num_blocks, *page_shape), dtype=dtype,
-                                pin_memory=pin_memory)
+        self.pool = torch.empty(
+            (len(layer_names), num_blocks, *page_shape), dtype=dtype, pin_memory=pin_memory
+        )
         self.pool.zero_()  # touch every page now, not during a capture
         # How rows sit in the pool's pages (the rows API needs it): the pool's own offsets,
         # since its block count and strides are not the cache's.
@@ -88,14 +102,15 @@ class HostKVStore(DonorKVStore):
         self.capacity_bytes = num_blocks * self.block_bytes
         self._free: deque[int] = deque(range(num_blocks))
         self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
-        self._writing: set[DonorKey] = set()   # allocated, their copy in flight: never victims
+        self._writing: set[DonorKey] = set()  # allocated, their copy in flight: never victims
         self._disk_q: queue.Queue | None = None
         self._writer: threading.Thread | None = None
         if persist_root is not None:
             persist_root.mkdir(parents=True, exist_ok=True)
             self._disk_q = queue.Queue()
-            self._writer = threading.Thread(target=self._write_loop, name="semshare-persist",
-                                            daemon=True)
+            self._writer = threading.Thread(
+                target=self._write_loop, name="semshare-persist", daemon=True
+            )
             self._writer.start()
 
     # ---- memory (engine thread only) ----------------------------------------------------------
@@ -145,12 +160,15 @@ class HostKVStore(DonorKVStore):
             header, pages = donor_file.read(path)
         except donor_file.CorruptDonorFile as exc:
             raise DonorUnavailable(str(exc)) from exc
-        if (header.namespace, header.donor_id) != (key.namespace, key.donor_id) or \
-                header.layer_names != self.layer_names:
+        if (header.namespace, header.donor_id) != (
+            key.namespace,
+            key.donor_id,
+        ) or header.layer_names != self.layer_names:
             raise DonorUnavailable(f"{path}: belongs to another donor or model")
         if header.layout != self.layout or pages.shape[2:] != self.pool.shape[2:]:
-            raise DonorUnavailable(f"{path}: page layout {header.layout}, this engine has "
-                                   f"{self.layout}")
+            raise DonorUnavailable(
+                f"{path}: page layout {header.layout}, this engine has {self.layout}"
+            )
         blocks = self._take_blocks(key, pages.shape[1])
         if self.pool.is_pinned():  # reused blocks may still feed an asynchronous upload
             torch.cuda.current_stream().synchronize()
@@ -179,17 +197,28 @@ class HostKVStore(DonorKVStore):
         num = rows.shape[1]
         try:
             blocks = self._take_blocks(key, -(-num // self.block_size))
-            gather_rearrange(rows, torch.arange(num), slots_for(blocks, 0, num, self.block_size),
-                             list(self.pool), self._offsets())
+            gather_rearrange(
+                rows,
+                torch.arange(num),
+                slots_for(blocks, 0, num, self.block_size),
+                list(self.pool),
+                self._offsets(),
+            )
         except DonorUnavailable as exc:
             self.drop_memory(key)
-            warn_once(logger, "put", "SemShare: donor %s is not kept in the host store: %s",
-                      key.donor_id, exc)
+            warn_once(
+                logger,
+                "put",
+                "SemShare: donor %s is not kept in the host store: %s",
+                key.donor_id,
+                exc,
+            )
             return False
         return True
 
-    def get(self, key: DonorKey, token_ids, start: int = 0,
-            end: int | None = None) -> torch.Tensor | None:
+    def get(
+        self, key: DonorKey, token_ids, start: int = 0, end: int | None = None
+    ) -> torch.Tensor | None:
         end = len(token_ids) if end is None else end
         try:
             blocks = self.blocks(key)
@@ -197,8 +226,9 @@ class HostKVStore(DonorKVStore):
             return None
         if end > len(blocks) * self.block_size:
             return None
-        return stage_rows(self.pool, slots_for(blocks, start, end, self.block_size),
-                          self._offsets())
+        return stage_rows(
+            self.pool, slots_for(blocks, start, end, self.block_size), self._offsets()
+        )
 
     def _offsets(self) -> PageOffsets:
         if self.offsets is None:
@@ -230,13 +260,24 @@ class HostKVStore(DonorKVStore):
                 kind, key, token_ids, pages = op
                 path = self._path(key)
                 if kind == "write":
-                    donor_file.write(path, key.namespace, key.donor_id, token_ids,
-                                     self.layer_names, self.layout, pages)
+                    donor_file.write(
+                        path,
+                        key.namespace,
+                        key.donor_id,
+                        token_ids,
+                        self.layer_names,
+                        self.layout,
+                        pages,
+                    )
                 else:
                     path.unlink(missing_ok=True)
             except Exception:  # a full or read-only disk must not take the engine down
-                warn_once(logger, "persist", "SemShare: persisting a donor failed; it stays "
-                          "memory-only", exc_info=True)
+                warn_once(
+                    logger,
+                    "persist",
+                    "SemShare: persisting a donor failed; it stays memory-only",
+                    exc_info=True,
+                )
             finally:
                 self._disk_q.task_done()
 

@@ -67,13 +67,26 @@ def namespace_tag(namespace: str) -> str:
 class LMCacheKVStore(DonorKVStore):
     name = "lmcache"
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 model_name: str, local_cpu_bytes: int, remote_url: str | None = None,
-                 tp_rank: int = 0, tp_size: int = 1, chunk_size: int = 256):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        model_name: str,
+        local_cpu_bytes: int,
+        remote_url: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        chunk_size: int = 256,
+    ):
         version = getattr(lmcache, "__version__", None) or _installed_version()
         if version != LMCACHE_VERSION:
-            logger.warning("SemShare: LMCache %s is installed; this adapter was written for %s",
-                           version, LMCACHE_VERSION)
+            logger.warning(
+                "SemShare: LMCache %s is installed; this adapter was written for %s",
+                version,
+                LMCACHE_VERSION,
+            )
         self.layers, self.heads, self.head_size = num_layers, num_kv_heads, head_size
         self.dtype, self.chunk_size = dtype, chunk_size
         self.remote_url = remote_url or None
@@ -84,22 +97,39 @@ class LMCacheKVStore(DonorKVStore):
         self.put_bytes_per_s = 100e6
         self._id = f"semshare-{os.getpid()}-{next(_ids)}"
         config = LMCacheEngineConfig.from_defaults(
-            chunk_size=chunk_size, local_cpu=True,
-            max_local_cpu_size=max(local_cpu_bytes, chunk_size) / 2**30,   # GB in LMCache
-            save_unfull_chunk=True, use_layerwise=False, enable_blending=False,
-            pre_caching_hash_algorithm="sha256_cbor", remote_url=self.remote_url,
-            remote_serde="naive", lmcache_instance_id=self._id)
+            chunk_size=chunk_size,
+            local_cpu=True,
+            max_local_cpu_size=max(local_cpu_bytes, chunk_size) / 2**30,  # GB in LMCache
+            save_unfull_chunk=True,
+            use_layerwise=False,
+            enable_blending=False,
+            pre_caching_hash_algorithm="sha256_cbor",
+            remote_url=self.remote_url,
+            remote_serde="naive",
+            lmcache_instance_id=self._id,
+        )
         metadata = LMCacheMetadata(
-            model_name=model_name, world_size=tp_size, local_world_size=tp_size,
-            worker_id=tp_rank, local_worker_id=tp_rank, kv_dtype=dtype,
-            kv_shape=(num_layers, 2, chunk_size, num_kv_heads, head_size), chunk_size=chunk_size)
+            model_name=model_name,
+            world_size=tp_size,
+            local_world_size=tp_size,
+            worker_id=tp_rank,
+            local_worker_id=tp_rank,
+            kv_dtype=dtype,
+            kv_shape=(num_layers, 2, chunk_size, num_kv_heads, head_size),
+            chunk_size=chunk_size,
+        )
         # LMCache forces the "spawn" start method on every engine it builds; the process (a vLLM
         # worker) keeps its own.
         start_method = multiprocessing.get_start_method(allow_none=True)
         try:
             self.engine = LMCacheEngineBuilder.get_or_create(
-                self._id, config, metadata, _RowsConnector(num_layers, num_kv_heads * head_size),
-                None, None)
+                self._id,
+                config,
+                metadata,
+                _RowsConnector(num_layers, num_kv_heads * head_size),
+                None,
+                None,
+            )
             self.engine.post_init()
         finally:
             if multiprocessing.get_start_method(allow_none=True) != start_method:
@@ -108,8 +138,9 @@ class LMCacheKVStore(DonorKVStore):
         if self.remote_url:
             import redis
 
-            self._redis = redis.Redis.from_url(self.remote_url, socket_timeout=2,
-                                               socket_connect_timeout=2)
+            self._redis = redis.Redis.from_url(
+                self.remote_url, socket_timeout=2, socket_connect_timeout=2
+            )
 
     # ---- format ----------------------------------------------------------------------------------
     def _to_lmcache(self, rows: torch.Tensor) -> torch.Tensor:
@@ -124,9 +155,12 @@ class LMCacheKVStore(DonorKVStore):
         return rows.reshape(L, T, self.heads, 2 * self.head_size)
 
     def _keys(self, key: DonorKey, token_ids: Sequence[int]):
-        return list(self.engine.token_database.process_tokens(
-            tokens=list(token_ids),
-            request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)}))
+        return list(
+            self.engine.token_database.process_tokens(
+                tokens=list(token_ids),
+                request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)},
+            )
+        )
 
     # ---- DonorKVStore ------------------------------------------------------------------------
     def put(self, key: DonorKey, token_ids: Sequence[int], rows: torch.Tensor) -> bool:
@@ -137,19 +171,27 @@ class LMCacheKVStore(DonorKVStore):
         # Twice at most: after the backend restarts, LMCache's first put goes to the connection
         # the server closed and is lost (logged by LMCache); the next one reconnects.
         for _ in range(2):
-            self.engine.store(tokens=list(token_ids), kv=kv,
-                              request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)})
+            self.engine.store(
+                tokens=list(token_ids),
+                kv=kv,
+                request_configs={NAMESPACE_TAG: namespace_tag(key.namespace)},
+            )
             state = self._remote_state(key, token_ids, timeout_s)
             if state == "readable":
                 return True
             if state == "unreachable":
                 break
-        logger.warning("SemShare: donor %s is not readable from %s (LMCache logs why); other "
-                       "instances will miss it", key.donor_id, self.remote_url)
+        logger.warning(
+            "SemShare: donor %s is not readable from %s (LMCache logs why); other "
+            "instances will miss it",
+            key.donor_id,
+            self.remote_url,
+        )
         return False
 
-    def get(self, key: DonorKey, token_ids: Sequence[int], start: int = 0,
-            end: int | None = None) -> torch.Tensor | None:
+    def get(
+        self, key: DonorKey, token_ids: Sequence[int], start: int = 0, end: int | None = None
+    ) -> torch.Tensor | None:
         end = len(token_ids) if end is None else end
         if not 0 <= start < end <= len(token_ids):
             return None
@@ -158,12 +200,12 @@ class LMCacheKVStore(DonorKVStore):
         for chunk_start, chunk_end, chunk_key in self._keys(key, token_ids):
             if chunk_end <= start or chunk_start >= end:
                 continue
-            obj = manager.get(chunk_key)      # local CPU first, then the remote backend
+            obj = manager.get(chunk_key)  # local CPU first, then the remote backend
             if obj is None:
                 return None
             try:
                 lo, hi = max(start, chunk_start) - chunk_start, min(end, chunk_end) - chunk_start
-                parts.append(obj.tensor[:, :, lo:hi].clone())   # a view into LMCache's arena
+                parts.append(obj.tensor[:, :, lo:hi].clone())  # a view into LMCache's arena
             finally:
                 obj.ref_count_down()
         return self._to_rows(torch.cat(parts, dim=2)) if parts else None
@@ -174,7 +216,7 @@ class LMCacheKVStore(DonorKVStore):
         return self._remote_state(key, token_ids, timeout_s) == "readable"
 
     def _remote_state(self, key: DonorKey, token_ids: Sequence[int], timeout_s: float) -> str:
-        """"readable" (or no remote backend), "unreachable", or "missing" after ``timeout_s``."""
+        """ "readable" (or no remote backend), "unreachable", or "missing" after ``timeout_s``."""
         if self._redis is None:
             return "readable"
         import redis
@@ -196,11 +238,10 @@ class LMCacheKVStore(DonorKVStore):
             manager = self.engine.storage_manager
             if manager is not None:
                 self._close_remote(manager)
-            LMCacheEngineBuilder.destroy(self._id)   # its event-loop thread is not a daemon
+            LMCacheEngineBuilder.destroy(self._id)  # its event-loop thread is not a daemon
             self.engine = None
         if self._redis is not None:
             self._redis.close()
-
 
     @staticmethod
     def _close_remote(manager) -> None:
@@ -212,9 +253,10 @@ class LMCacheKVStore(DonorKVStore):
         connector = getattr(getattr(remote, "connection", None), "_connector", None)
         try:
             if connector is not None:
-                connector.pq_executor.shutdown(wait=False)   # cancels its workers
-                asyncio.run_coroutine_threadsafe(connector.connection.close(),
-                                                 manager.loop).result(timeout=10)
+                connector.pq_executor.shutdown(wait=False)  # cancels its workers
+                asyncio.run_coroutine_threadsafe(connector.connection.close(), manager.loop).result(
+                    timeout=10
+                )
         except Exception as exc:
             logger.warning("SemShare: closing LMCache's Redis connection: %s", exc)
 

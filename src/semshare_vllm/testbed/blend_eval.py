@@ -35,23 +35,31 @@ from semshare_vllm.scheduler.planner import plan_claim
 @dataclass
 class Outcome:
     name: str
-    recomputed: float          # mean share of the loaded positions recomputed per layer
-    hidden_error: float        # |h - h_cold| / |h_cold| of the last position's final hidden state
-    logit_error: float         # max |logit - logit_cold|
+    recomputed: float  # mean share of the loaded positions recomputed per layer
+    hidden_error: float  # |h - h_cold| / |h_cold| of the last position's final hidden state
+    logit_error: float  # max |logit - logit_cold|
     same_top1: bool
-    runner_seconds: float      # the repair alone (not the blend copy, not the logits)
+    runner_seconds: float  # the repair alone (not the blend copy, not the logits)
 
 
 class BlendBench:
-    def __init__(self, model: torch.nn.Module, layout: PageSpec, like: torch.Tensor,
-                 layer_names: list[str], donor: list[int], target: list[int],
-                 params: AlignParams = AlignParams(stages=("exact", "edit"))):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: PageSpec,
+        like: torch.Tensor,
+        layer_names: list[str],
+        donor: list[int],
+        target: list[int],
+        params: AlignParams = AlignParams(stages=("exact", "edit")),
+    ):
         self.model, self.layout, self.names = model, layout, layer_names
         self.donor, self.target = list(donor), list(target)
         bs = like.shape[2]
         nd, nt = -(-len(donor) // bs), -(-len(target) // bs)
-        self.caches = {n: torch.zeros((nd + 2 * nt, *like.shape[1:]), dtype=like.dtype)
-                       for n in layer_names}
+        self.caches = {
+            n: torch.zeros((nd + 2 * nt, *like.shape[1:]), dtype=like.dtype) for n in layer_names
+        }
         self.donor_blocks = list(range(nd))
         self.cold_blocks = list(range(nd, nd + nt))
         self.blend_blocks = list(range(nd + nt, nd + 2 * nt))
@@ -60,8 +68,7 @@ class BlendBench:
         self.alignment = align(target, donor, params)
         n = len(target)
         self.runner.recompute(self.donor, self.donor_blocks, np.arange(len(donor)))
-        cold = self.runner.recompute(self.target, self.cold_blocks, np.arange(n),
-                                     final_hidden=True)
+        cold = self.runner.recompute(self.target, self.cold_blocks, np.arange(n), final_hidden=True)
         self.cold_hidden = cold.hidden[-1].float()
         self.cold_logits = self._logits(cold.hidden[-1:])
         self.blended = self._blend()
@@ -73,15 +80,30 @@ class BlendBench:
         """Snapshot of the caches with the donor's KV moved into the target's blocks."""
         al = self.alignment
         t = np.flatnonzero(al.donor_pos >= 0)
-        staged = torch.stack([
-            torch.cat(self.layout.read_range(self.caches[name], self.donor_blocks, 0,
-                                             len(self.donor)), dim=-1) for name in self.names])
+        staged = torch.stack(
+            [
+                torch.cat(
+                    self.layout.read_range(
+                        self.caches[name], self.donor_blocks, 0, len(self.donor)
+                    ),
+                    dim=-1,
+                )
+                for name in self.names
+            ]
+        )
         bs = self.caches[self.names[0]].shape[2]
         dst = slots_for(self.blend_blocks, 0, len(self.target), bs)[t]
         caches = [self.caches[name] for name in self.names]
-        gather_rearrange(staged, torch.as_tensor(al.donor_pos[t]), dst, caches,
-                         self.layout.offsets(caches[0]), self.rope,
-                         torch.as_tensor(al.donor_pos[t]), torch.as_tensor(t))
+        gather_rearrange(
+            staged,
+            torch.as_tensor(al.donor_pos[t]),
+            dst,
+            caches,
+            self.layout.offsets(caches[0]),
+            self.rope,
+            torch.as_tensor(al.donor_pos[t]),
+            torch.as_tensor(t),
+        )
         return {name: c.clone() for name, c in self.caches.items()}
 
     def always(self, run_head: int = 4, tail: int = 8) -> np.ndarray:
@@ -96,8 +118,9 @@ class BlendBench:
             c.copy_(self.blended[key])
         n = len(self.target)
         t0 = time.perf_counter()
-        res = self.runner.recompute(self.target, self.blend_blocks, selection, context=n,
-                                    final_hidden=True)
+        res = self.runner.recompute(
+            self.target, self.blend_blocks, selection, context=n, final_hidden=True
+        )
         seconds = time.perf_counter() - t0
         if len(res.positions) == 0 or res.positions[-1] != n - 1:
             raise ValueError("the selection dropped the last position")
@@ -105,7 +128,11 @@ class BlendBench:
         logits = self._logits(res.hidden[-1:])
         loaded = n - 1
         share = float(np.mean([min(c, loaded) for c in res.per_layer])) / loaded
-        return Outcome(name, share,
-                       float((hidden - self.cold_hidden).norm() / self.cold_hidden.norm()),
-                       float((logits - self.cold_logits).abs().max()),
-                       bool(logits.argmax() == self.cold_logits.argmax()), seconds)
+        return Outcome(
+            name,
+            share,
+            float((hidden - self.cold_hidden).norm() / self.cold_hidden.norm()),
+            float((logits - self.cold_logits).abs().max()),
+            bool(logits.argmax() == self.cold_logits.argmax()),
+            seconds,
+        )

@@ -35,12 +35,12 @@ def lee_spearman(embedder) -> float:
 
 @dataclass(frozen=True)
 class Outcome:
-    group: str                 # "cross-instruction", "reordered", "edited@0.3" or "negative"
-    true_key: int | None       # the target's own donor (None for a negative)
-    top_key: int               # the index's best donor
-    top_score: float           # its cosine
-    true_score: float | None   # cosine to the own donor
-    near_key: int | None       # best SimHash near-duplicate, if any
+    group: str  # "cross-instruction", "reordered", "edited@0.3" or "negative"
+    true_key: int | None  # the target's own donor (None for a negative)
+    top_key: int  # the index's best donor
+    top_score: float  # its cosine
+    true_score: float | None  # cosine to the own donor
+    near_key: int | None  # best SimHash near-duplicate, if any
 
 
 def recall_at_1(outcomes: list[Outcome], threshold: float) -> float:
@@ -58,8 +58,9 @@ def _mean(flags) -> float:
     return sum(flags) / len(flags) if flags else float("nan")
 
 
-def evaluate(embedder, pairs: list[Pair], negatives: list[str], threshold: float,
-             tokenizer=None) -> dict:
+def evaluate(
+    embedder, pairs: list[Pair], negatives: list[str], threshold: float, tokenizer=None
+) -> dict:
     """Index every distinct donor in one namespace, search each target and each negative, and
     summarise per group at ``threshold``.
 
@@ -88,16 +89,21 @@ def evaluate(embedder, pairs: list[Pair], negatives: list[str], threshold: float
     for k in range(len(donors)):
         index.add(NAMESPACE, k, vectors[k], fingerprints[k])
 
-    queries = ([(group_of(p), key_of[p.donor]) for p in pairs]
-               + [("negative", None)] * len(negatives))  # in the order of texts after donors
+    queries = [(group_of(p), key_of[p.donor]) for p in pairs] + [("negative", None)] * len(
+        negatives
+    )  # in the order of texts after donors
     outcomes = []
     for j, (group, true_key) in enumerate(queries, start=len(donors)):
         top = index.search(NAMESPACE, vectors[j], k=1)[0]
-        near = (index.near_duplicates(NAMESPACE, fingerprints[j], NEAR_DUPLICATE_BITS)
-                if tokenizer is not None else [])
+        near = (
+            index.near_duplicates(NAMESPACE, fingerprints[j], NEAR_DUPLICATE_BITS)
+            if tokenizer is not None
+            else []
+        )
         true_score = None if true_key is None else float(vectors[j] @ vectors[true_key])
-        outcomes.append(Outcome(group, true_key, top.key, top.score, true_score,
-                                near[0].key if near else None))
+        outcomes.append(
+            Outcome(group, true_key, top.key, top.score, true_score, near[0].key if near else None)
+        )
 
     groups = {}
     for name in dict.fromkeys(o.group for o in outcomes if o.group != "negative"):
@@ -105,19 +111,29 @@ def evaluate(embedder, pairs: list[Pair], negatives: list[str], threshold: float
         cos = [o.true_score for o in mine]
         near = [o for o in mine if o.near_key is not None]
         groups[name] = {
-            "n": len(mine), "recall": recall_at_1(mine, threshold),
-            "mean_cos": statistics.fmean(cos), "median_cos": statistics.median(cos),
-            "min_cos": min(cos), "simhash_matches": len(near),
-            "simhash_correct": sum(o.near_key == o.true_key for o in near)}
+            "n": len(mine),
+            "recall": recall_at_1(mine, threshold),
+            "mean_cos": statistics.fmean(cos),
+            "median_cos": statistics.median(cos),
+            "min_cos": min(cos),
+            "simhash_matches": len(near),
+            "simhash_correct": sum(o.near_key == o.true_key for o in near),
+        }
     neg = [o for o in outcomes if o.group == "negative"]
     top = np.asarray([o.top_score for o in neg])
     return {
-        "threshold": threshold, "donors": len(donors), "texts": len(texts),
-        "embed_s": embed_s, "groups": groups, "outcomes": outcomes,
+        "threshold": threshold,
+        "donors": len(donors),
+        "texts": len(texts),
+        "embed_s": embed_s,
+        "groups": groups,
+        "outcomes": outcomes,
         "negatives": {
-            "n": len(neg), "false_donor_rate": false_donor_rate(neg, threshold),
+            "n": len(neg),
+            "false_donor_rate": false_donor_rate(neg, threshold),
             "median_top": float(np.median(top)) if len(top) else float("nan"),
             "p95_top": float(np.percentile(top, 95)) if len(top) else float("nan"),
             "max_top": float(top.max()) if len(top) else float("nan"),
-            "simhash_matches": sum(o.near_key is not None for o in neg)},
+            "simhash_matches": sum(o.near_key is not None for o in neg),
+        },
     }

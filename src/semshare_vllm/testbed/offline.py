@@ -23,25 +23,42 @@ def make_llm(model: str, kv_transfer_config: dict | None = None, **kwargs):
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(**kv_transfer_config) if kv_transfer_config else None
-    args = dict(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-                max_model_len=4096, seed=0, block_size=BLOCK_SIZE, kv_transfer_config=ktc)
+    args = dict(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=4096,
+        seed=0,
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=ktc,
+    )
     args.update(kwargs)
     return LLM(**args)
 
 
 def semshare_llm(model: str, extra_config: dict, **kwargs):
     """``make_llm`` with the SemShare connector and ``extra_config`` as its config."""
-    return make_llm(model, {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-                            "kv_connector_module_path": "semshare_vllm.connector",
-                            "kv_connector_extra_config": extra_config}, **kwargs)
+    return make_llm(
+        model,
+        {
+            "kv_connector": "SemShareConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "semshare_vllm.connector",
+            "kv_connector_extra_config": extra_config,
+        },
+        **kwargs,
+    )
 
 
 def connector_halves(llm):
     """(scheduler half, worker half) of an in-process engine's SemShare connector."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return (llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler,
-            get_kv_transfer_group().worker)
+    return (
+        llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler,
+        get_kv_transfer_group().worker,
+    )
 
 
 def run(llm, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict[str, Any]:
@@ -55,8 +72,9 @@ def run(llm, prompt: list[int], max_tokens: int, salt: str | None = None) -> dic
 def greedy(max_tokens: int, logprobs: int | None = 1):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          logprobs=logprobs)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+    )
 
 
 def summarize(outputs) -> list[dict[str, Any]]:
@@ -65,8 +83,13 @@ def summarize(outputs) -> list[dict[str, Any]]:
     for out in outputs:
         comp = out.outputs[0]
         lps = [step[tok].logprob for step, tok in zip(comp.logprobs or [], comp.token_ids)]
-        result.append({"token_ids": list(comp.token_ids), "logprobs": lps,
-                       "num_cached_tokens": out.num_cached_tokens})
+        result.append(
+            {
+                "token_ids": list(comp.token_ids),
+                "logprobs": lps,
+                "num_cached_tokens": out.num_cached_tokens,
+            }
+        )
     return result
 
 
@@ -77,8 +100,13 @@ def reference_outputs(model: str, prompts: list[list[int]], max_tokens: int) -> 
         with open(src, "w") as f:
             json.dump({"model": model, "prompts": prompts, "max_tokens": max_tokens}, f)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        subprocess.run([sys.executable, "-m", __name__, src, dst], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", __name__, src, dst],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         with open(dst) as f:
             return json.load(f)
 

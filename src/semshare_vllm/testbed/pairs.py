@@ -34,7 +34,7 @@ DONOR_TEMPLATES = (
     "Summarize the following article in three bullet points.\n\n{doc}",
     "Read the document below and answer the question at the end.\n\nDocument:\n{doc}\n\n"
     "Question: What are the main facts reported?",
-    "You are a careful analyst. Here is a report:\n\"\"\"\n{doc}\n\"\"\"\n"
+    'You are a careful analyst. Here is a report:\n"""\n{doc}\n"""\n'
     "List every person and organisation it mentions.",
     "Context:\n{doc}\n\nUsing only the context above, write a headline for it.",
 )
@@ -63,18 +63,22 @@ TARGET_HEADERS = (
     "Retrieved context (ranked by a different retriever):\n\n",
     "Consider the following reference material before answering.\n\n",
 )
-DONOR_QUESTIONS = ("Question: Which of these topics is the oldest?",
-                   "Question: What do these passages have in common?")
-TARGET_QUESTIONS = ("Write a short quiz with one question per source.",
-                    "Which source would a beginner find most useful? Explain.")
+DONOR_QUESTIONS = (
+    "Question: Which of these topics is the oldest?",
+    "Question: What do these passages have in common?",
+)
+TARGET_QUESTIONS = (
+    "Write a short quiz with one question per source.",
+    "Which source would a beginner find most useful? Explain.",
+)
 
 
 @dataclass(frozen=True)
 class Pair:
-    kind: str              # "cross-instruction", "reordered" or "edited"
-    donor: str             # the prompt already computed (its KV is cached)
-    target: str            # the new prompt that should find it
-    level: float | None    # fraction of sentences changed ("edited"), else None
+    kind: str  # "cross-instruction", "reordered" or "edited"
+    donor: str  # the prompt already computed (its KV is cached)
+    target: str  # the new prompt that should find it
+    level: float | None  # fraction of sentences changed ("edited"), else None
 
 
 def wrap(template: str, doc: str) -> str:
@@ -96,7 +100,7 @@ def sentence_pieces(text: str) -> list[tuple[str, str]]:
     """(sentence, the whitespace after it): joining them all gives ``text`` back."""
     pieces, start = [], 0
     for m in _BOUNDARY.finditer(text):
-        pieces.append((text[start:m.start()], m.group()))
+        pieces.append((text[start : m.start()], m.group()))
         start = m.end()
     if start < len(text):
         pieces.append((text[start:], ""))
@@ -107,8 +111,7 @@ def split_sentences(text: str) -> list[str]:
     return [s for s, _ in sentence_pieces(text) if s.strip()]
 
 
-def edit_document(text: str, level: float, op: str, rng: random.Random,
-                  filler: list[str]) -> str:
+def edit_document(text: str, level: float, op: str, rng: random.Random, filler: list[str]) -> str:
     """``text`` with ``round(level * n)`` of its n sentences deleted (``op="delete"``) or
     replaced by sentences drawn from ``filler`` (``op="replace"``). At least one sentence
     changes and at least one survives, so every level is an edit and never a new document."""
@@ -129,8 +132,10 @@ def reword_document(text: str, level: float, rng: random.Random, words: list[str
     """``text`` with each word replaced, with probability ``level``, by a word of ``words``
     (spacing and punctuation kept): word-level edits inside every sentence, the case sentence
     edits never produce."""
+
     def swap(m: re.Match) -> str:
         return rng.choice(words) if rng.random() < level else m.group()
+
     return re.sub(r"[A-Za-z]+", swap, text)
 
 
@@ -158,8 +163,9 @@ class Sources:
         for j, article in enumerate(self._lee):
             if ok(article):
                 return self._lee.pop(j)
-        raise ValueError("the Lee background corpus ran out of suitable articles; ask for "
-                         "fewer pairs")
+        raise ValueError(
+            "the Lee background corpus ran out of suitable articles; ask for fewer pairs"
+        )
 
     def _claim(self, span: list[int]) -> bool:
         if any(self._wiki_used[i] for i in span):
@@ -202,8 +208,7 @@ class Sources:
                 docs = [self.lee_article() for _ in range(40)]
             else:
                 docs = [body for _, body in self.wiki_bundle(60, window=400)]
-            self._filler[corpus] = [s for d in docs for s in split_sentences(d)
-                                    if len(s) > 40]
+            self._filler[corpus] = [s for d in docs for s in split_sentences(d) if len(s) > 40]
         return self._filler[corpus]
 
     def document(self, i: int, ok: Callable[[str], bool] = lambda a: True) -> tuple[str, str]:
@@ -216,8 +221,7 @@ class Sources:
 
 
 def passages(extracts: list[tuple[str, str]]) -> str:
-    return "\n\n".join(f"[{i}] {title}\n{body}" for i, (title, body) in
-                       enumerate(extracts, 1))
+    return "\n\n".join(f"[{i}] {title}\n{body}" for i, (title, body) in enumerate(extracts, 1))
 
 
 # ---- questions with checkable answers -----------------------------------------------------------
@@ -225,12 +229,20 @@ def passages(extracts: list[tuple[str, str]]) -> str:
 # computed cold, answers these four right in ``fact_prompt``'s form (of twelve tried, with the
 # question before and after the passages; it gets the other eight, and every question in a chat
 # template, wrong): a hit must give its own question's answer, not the donor's.
-FACT_TITLES = ("Candide", "Death of a Salesman", "Les Demoiselles d'Avignon", "Moby-Dick",
-               "Superman", "The Structure of Scientific Revolutions")
-FACT_QUESTIONS = (("Who wrote Candide?", "Voltaire"),
-                  ("Who wrote Death of a Salesman?", "Miller"),
-                  ("Who wrote Moby-Dick?", "Melville"),
-                  ("In what year did Death of a Salesman premiere?", "1949"))
+FACT_TITLES = (
+    "Candide",
+    "Death of a Salesman",
+    "Les Demoiselles d'Avignon",
+    "Moby-Dick",
+    "Superman",
+    "The Structure of Scientific Revolutions",
+)
+FACT_QUESTIONS = (
+    ("Who wrote Candide?", "Voltaire"),
+    ("Who wrote Death of a Salesman?", "Miller"),
+    ("Who wrote Moby-Dick?", "Melville"),
+    ("In what year did Death of a Salesman premiere?", "1949"),
+)
 
 
 def fact_document() -> str:
@@ -250,8 +262,14 @@ def cross_instruction_pairs(n: int, sources: Sources) -> list[Pair]:
     pairs = []
     for i in range(n):
         _, doc = sources.document(i, ok=lambda a: len(a) >= 1500)
-        pairs.append(Pair("cross-instruction", wrap(rng.choice(DONOR_TEMPLATES), doc),
-                          wrap(rng.choice(TARGET_TEMPLATES), doc), None))
+        pairs.append(
+            Pair(
+                "cross-instruction",
+                wrap(rng.choice(DONOR_TEMPLATES), doc),
+                wrap(rng.choice(TARGET_TEMPLATES), doc),
+                None,
+            )
+        )
     return pairs
 
 
@@ -264,8 +282,9 @@ def reordered_pairs(n: int, sources: Sources) -> list[Pair]:
         while permuted == bundle:
             rng.shuffle(permuted)
         donor = rng.choice(DONOR_HEADERS) + passages(bundle) + "\n\n" + rng.choice(DONOR_QUESTIONS)
-        target = (rng.choice(TARGET_HEADERS) + passages(permuted) + "\n\n"
-                  + rng.choice(TARGET_QUESTIONS))
+        target = (
+            rng.choice(TARGET_HEADERS) + passages(permuted) + "\n\n" + rng.choice(TARGET_QUESTIONS)
+        )
         pairs.append(Pair("reordered", donor, target, None))
     return pairs
 
@@ -293,21 +312,30 @@ def negative_targets(n: int, sources: Sources) -> list[str]:
     out = []
     for i in range(n):
         if i % 3 == 0:
-            out.append(wrap(rng.choice(DONOR_TEMPLATES), sources.lee_article(
-                ok=lambda a: len(a) >= 600)))
+            out.append(
+                wrap(rng.choice(DONOR_TEMPLATES), sources.lee_article(ok=lambda a: len(a) >= 600))
+            )
         elif i % 3 == 1:
             out.append(wrap(rng.choice(DONOR_TEMPLATES), sources.wiki_doc()))
         else:
-            out.append(rng.choice(DONOR_HEADERS) + passages(sources.wiki_bundle(
-                rng.randint(4, 6))) + "\n\n" + rng.choice(DONOR_QUESTIONS))
+            out.append(
+                rng.choice(DONOR_HEADERS)
+                + passages(sources.wiki_bundle(rng.randint(4, 6)))
+                + "\n\n"
+                + rng.choice(DONOR_QUESTIONS)
+            )
     return out
 
 
-def build(n: int, levels=LEVELS, negatives: int | None = None,
-          seed: int = 0) -> tuple[list[Pair], list[str]]:
+def build(
+    n: int, levels=LEVELS, negatives: int | None = None, seed: int = 0
+) -> tuple[list[Pair], list[str]]:
     """All scenarios from one pool of sources: ``n`` pairs each (``n`` donors x levels for
     "edited") and ``negatives`` negative targets (3n by default)."""
     sources = Sources(seed)
-    pairs = (cross_instruction_pairs(n, sources) + reordered_pairs(n, sources)
-             + edited_pairs(n, sources, levels))
+    pairs = (
+        cross_instruction_pairs(n, sources)
+        + reordered_pairs(n, sources)
+        + edited_pairs(n, sources, levels)
+    )
     return pairs, negative_targets(3 * n if negatives is None else negatives, sources)

@@ -20,17 +20,32 @@ class RedisServer:
     def __init__(self, port: int | None = None):
         self.binary = redis_binary()
         if self.binary is None:
-            raise RuntimeError("no redis-server or valkey-server on PATH (apt install "
-                               "redis-server; `make test` does)")
+            raise RuntimeError(
+                "no redis-server or valkey-server on PATH (apt install "
+                "redis-server; `make test` does)"
+            )
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 20) -> "RedisServer":
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

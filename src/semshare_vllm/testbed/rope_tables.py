@@ -26,8 +26,12 @@ SPECS: dict[str, tuple[int, bool, dict | None, int]] = {
     "gptj": (64, False, None, 1024),
     "partial": (64, True, {"rope_type": "default", "partial_rotary_factor": 0.5}, 1024),
     "partial_gptj": (64, False, {"rope_type": "default", "partial_rotary_factor": 0.25}, 1024),
-    "yarn": (64, True, {"rope_type": "yarn", "factor": 4.0,
-                        "original_max_position_embeddings": 256}, 1024),
+    "yarn": (
+        64,
+        True,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        1024,
+    ),
     "neox_head80": (80, True, None, 1024),  # head size not a power of two: masked dims
     # the kernel benchmark's model shapes
     "smollm2": (64, True, {"rope_theta": 100000.0}, 8192 + 64),
@@ -44,15 +48,19 @@ def build(names: list[str] | None = None) -> dict[str, RopeTable]:
     with set_current_vllm_config(VllmConfig()):
         for name in names or list(SPECS):
             head, neox, params, max_pos = SPECS[name]
-            out[name] = RopeTable.from_vllm(get_rope(head, max_pos, is_neox_style=neox,
-                                                     rope_parameters=params,
-                                                     dtype=torch.float32))
+            out[name] = RopeTable.from_vllm(
+                get_rope(
+                    head, max_pos, is_neox_style=neox, rope_parameters=params, dtype=torch.float32
+                )
+            )
     return out
 
 
 def save(path: str | Path, tables: dict[str, RopeTable]) -> None:
-    torch.save({name: (t.cos_sin, t.head_size, t.rotary_dim, t.is_neox)
-                for name, t in tables.items()}, path)
+    torch.save(
+        {name: (t.cos_sin, t.head_size, t.rotary_dim, t.is_neox) for name, t in tables.items()},
+        path,
+    )
 
 
 def load(path: str | Path) -> dict[str, RopeTable]:

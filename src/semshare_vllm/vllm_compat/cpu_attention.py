@@ -18,8 +18,9 @@ def _pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
 
 
-def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-             isa: str) -> None:
+def write_kv(
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str
+) -> None:
     """Write ``[T, H, D]`` K and V of slots ``slots`` into a layer's ``[B, H, N, 2D]`` cache
     with vLLM's own cache-write op (``isa``: the layer's CPU ISA)."""
     from vllm import _custom_ops as ops
@@ -28,8 +29,9 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots:
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
 
-def prefill_attention(cache: torch.Tensor, q: torch.Tensor, block_ids: list[int], context: int,
-                      scale: float, isa: str) -> torch.Tensor:
+def prefill_attention(
+    cache: torch.Tensor, q: torch.Tensor, block_ids: list[int], context: int, scale: float, isa: str
+) -> torch.Tensor:
     """Causal attention of ``q`` (``[t, Hq, D]``: the last ``t`` tokens of a ``context``-token
     request whose blocks are ``block_ids``) over that request's KV in ``cache``, with vLLM's
     CPU prefill kernels: ``[t, Hq, D]``."""
@@ -40,15 +42,35 @@ def prefill_attention(cache: torch.Tensor, q: torch.Tensor, block_ids: list[int]
     q_len, num_heads, head_size = q.shape
     starts = torch.tensor([0, q_len], dtype=torch.int32)
     seq_lens = torch.tensor([context], dtype=torch.int32)
-    table = torch.tensor([block_ids[:-(-context // block_size)]], dtype=torch.int32)
+    table = torch.tensor([block_ids[: -(-context // block_size)]], dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_size, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        num_reqs=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_size,
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     out = torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
+        query=q.contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=table,
+        softcap=0.0,
+        scheduler_metadata=meta,
+        s_aux=None,
+    )
     return out

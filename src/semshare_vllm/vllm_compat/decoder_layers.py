@@ -21,27 +21,29 @@ from typing import Callable
 import torch
 
 # Causal LMs with the Llama decoder structure (model.model.layers[i].self_attn.attn).
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
-                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
 
 
 class UnsupportedModel(RuntimeError):
     """The loaded model is not one the runner can drive; recompute stays off."""
 
 
-@dataclass(frozen=True, eq=False)   # holds modules: compare by identity
+@dataclass(frozen=True, eq=False)  # holds modules: compare by identity
 class DecoderLayer:
-    module: torch.nn.Module         # the decoder layer
-    holder: torch.nn.Module         # the module whose ``attn`` attribute is the vLLM Attention
+    module: torch.nn.Module  # the decoder layer
+    holder: torch.nn.Module  # the module whose ``attn`` attribute is the vLLM Attention
     attn: torch.nn.Module
-    layer_name: str                 # its KV cache's name
+    layer_name: str  # its KV cache's name
     num_heads: int
     num_kv_heads: int
     head_size: int
     scale: float
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's own forward: ``(hidden, residual)`` after it."""
         return self.module(positions, hidden, residual)
 
@@ -49,8 +51,8 @@ class DecoderLayer:
 @dataclass(frozen=True, eq=False)
 class DecoderStack:
     layers: tuple[DecoderLayer, ...]
-    embed: Callable[[torch.Tensor], torch.Tensor]     # token ids -> input hidden states
-    norm: torch.nn.Module                             # the final norm
+    embed: Callable[[torch.Tensor], torch.Tensor]  # token ids -> input hidden states
+    norm: torch.nn.Module  # the final norm
     device: torch.device
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -72,8 +74,9 @@ def decoder_stack(model: torch.nn.Module) -> DecoderStack:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "embed_input_ids"):
         raise UnsupportedModel(f"{name}: no model.layers / embed_input_ids")
-    if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer",
-                                                        len(layers)) != len(layers):
+    if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(
+        layers
+    ):
         raise UnsupportedModel("pipeline-parallel stages are not supported")
     out = []
     for i, layer in enumerate(layers):
@@ -82,13 +85,27 @@ def decoder_stack(model: torch.nn.Module) -> DecoderStack:
         if not isinstance(attn, Attention):
             raise UnsupportedModel(f"{name}: layer {i} has no vLLM Attention at self_attn.attn")
         impl = attn.impl
-        if attn.sliding_window is not None or getattr(impl, "logits_soft_cap", 0) or \
-                getattr(attn, "has_sink", False):
+        if (
+            attn.sliding_window is not None
+            or getattr(impl, "logits_soft_cap", 0)
+            or getattr(attn, "has_sink", False)
+        ):
             raise UnsupportedModel(f"{name}: layer {i} uses sliding window, soft cap or sinks")
-        out.append(DecoderLayer(layer, holder, attn, attn.layer_name, attn.num_heads,
-                                attn.num_kv_heads, attn.head_size, float(impl.scale)))
-    return DecoderStack(tuple(out), inner.embed_input_ids, inner.norm,
-                        next(model.parameters()).device)
+        out.append(
+            DecoderLayer(
+                layer,
+                holder,
+                attn,
+                attn.layer_name,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_size,
+                float(impl.scale),
+            )
+        )
+    return DecoderStack(
+        tuple(out), inner.embed_input_ids, inner.norm, next(model.parameters()).device
+    )
 
 
 @contextlib.contextmanager

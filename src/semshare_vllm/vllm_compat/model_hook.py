@@ -88,8 +88,9 @@ def _wrap_module(module) -> list[str]:
             if cls is not None and _wrap(cls):
                 found.append(f"{module_name}.{class_name}")
         except Exception:
-            logger.warning("SemShare: could not wrap %s.%s.load_model", module_name, class_name,
-                           exc_info=True)
+            logger.warning(
+                "SemShare: could not wrap %s.%s.load_model", module_name, class_name, exc_info=True
+            )
     return found
 
 
@@ -109,6 +110,7 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             _PENDING.discard(fullname)
             _installed.extend(_wrap_module(module))
+
         spec.loader.exec_module = exec_and_wrap
         return spec
 
@@ -129,8 +131,9 @@ def install() -> None:
         if _PENDING and not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _WrapOnImport())
     except Exception:
-        logger.warning("SemShare: could not install the model hook; selective recompute is "
-                       "off", exc_info=True)
+        logger.warning(
+            "SemShare: could not install the model hook; selective recompute is off", exc_info=True
+        )
 
 
 def _recorded(table: weakref.WeakValueDictionary, vllm_config):

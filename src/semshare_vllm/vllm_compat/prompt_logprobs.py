@@ -28,8 +28,12 @@ def mark_served_rows(model_runner, req_id: str, until: int) -> bool:
     we expect them (another runner version): the caller must then not serve the request."""
     state = getattr(model_runner, "requests", {}).get(req_id)
     wanted = getattr(model_runner, "num_prompt_logprobs", {}).get(req_id)
-    if state is None or wanted is None or not hasattr(state, "in_progress_prompt_logprobs_cpu") \
-            or state.prompt_token_ids is None:
+    if (
+        state is None
+        or wanted is None
+        or not hasattr(state, "in_progress_prompt_logprobs_cpu")
+        or state.prompt_token_ids is None
+    ):
         return False
     from vllm.v1.outputs import LogprobsTensors
 
@@ -38,7 +42,7 @@ def mark_served_rows(model_runner, req_id: str, until: int) -> bool:
         rows = LogprobsTensors.empty_cpu(len(state.prompt_token_ids) - 1, wanted + 1)
         state.in_progress_prompt_logprobs_cpu = rows
     until = min(until, rows.logprobs.shape[0])
-    following = torch.as_tensor(state.prompt_token_ids[1:until + 1], dtype=torch.int32)
+    following = torch.as_tensor(state.prompt_token_ids[1 : until + 1], dtype=torch.int32)
     rows.logprob_token_ids[:until] = following[:, None]
     rows.logprobs[:until] = 0.0
     rows.selected_token_ranks[:until] = 0

@@ -19,16 +19,18 @@ import torch
 # (tests/unit/kernels/test_kernels_rope.py checks each against the module's own forward).
 # Anything else (mrope variants with 3-D positions, Phi3 LongRoPE's two tables, dual-chunk, Gemma4's
 # proportional rope, Fourier rope, DeepSeek-V4 with rotary dims last, ...) is refused.
-SUPPORTED_ROPE_CLASSES = frozenset({
-    "RotaryEmbedding",
-    "LinearScalingRotaryEmbedding",
-    "NTKScalingRotaryEmbedding",
-    "DynamicNTKScalingRotaryEmbedding",
-    "DynamicNTKAlphaRotaryEmbedding",
-    "Llama3RotaryEmbedding",
-    "YaRNScalingRotaryEmbedding",
-    "DeepseekScalingRotaryEmbedding",
-})
+SUPPORTED_ROPE_CLASSES = frozenset(
+    {
+        "RotaryEmbedding",
+        "LinearScalingRotaryEmbedding",
+        "NTKScalingRotaryEmbedding",
+        "DynamicNTKScalingRotaryEmbedding",
+        "DynamicNTKAlphaRotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "YaRNScalingRotaryEmbedding",
+        "DeepseekScalingRotaryEmbedding",
+    }
+)
 
 
 class UnsupportedRope(RuntimeError):
@@ -37,7 +39,7 @@ class UnsupportedRope(RuntimeError):
 
 @dataclass(frozen=True, eq=False)  # holds a tensor: compare by identity
 class RotaryAngles:
-    cos_sin: torch.Tensor   # [max_pos, rotary_dim] fp32 on CPU: cos | sin, unit magnitude
+    cos_sin: torch.Tensor  # [max_pos, rotary_dim] fp32 on CPU: cos | sin, unit magnitude
     head_size: int
     rotary_dim: int
     is_neox: bool
@@ -61,8 +63,12 @@ def rotary_angles(rotary_emb) -> RotaryAngles:
         raise UnsupportedRope(f"{name}: angle table row 0 is not a rotation")
     if not bool((scale == 1).all()):
         table = table / torch.cat((scale, scale))
-    return RotaryAngles(table.contiguous(), int(rotary_emb.head_size),
-                        int(rotary_emb.rotary_dim), bool(rotary_emb.is_neox_style))
+    return RotaryAngles(
+        table.contiguous(),
+        int(rotary_emb.head_size),
+        int(rotary_emb.rotary_dim),
+        bool(rotary_emb.is_neox_style),
+    )
 
 
 def model_rotary_embedding(model: torch.nn.Module):
@@ -71,5 +77,6 @@ def model_rotary_embedding(model: torch.nn.Module):
     try:
         return model.model.layers[0].self_attn.rotary_emb
     except (AttributeError, IndexError, TypeError) as exc:
-        raise UnsupportedRope(f"{type(model).__name__}: no model.layers[0].self_attn."
-                              "rotary_emb") from exc
+        raise UnsupportedRope(
+            f"{type(model).__name__}: no model.layers[0].self_attn.rotary_emb"
+        ) from exc

@@ -35,16 +35,15 @@ logger = logging.getLogger("vllm.semshare.worker")
 @dataclass
 class CaptureJob:
     spec: CaptureSpec
-    pool_blocks: list[int]        # the donor's blocks in the host store's pool
-    copy: Future | None = None    # on the capture thread; None: not started yet
+    pool_blocks: list[int]  # the donor's blocks in the host store's pool
+    copy: Future | None = None  # on the capture thread; None: not started yet
 
 
 class Captures:
     """The captures in flight. ``kv`` None: this worker holds no store (off), so every capture
     is refused (its blocks freed, nothing kept) for the reason ``off``."""
 
-    def __init__(self, kv: WorkerKV | None, off: str, stats: StatsRecorder,
-                 report: WorkerReport):
+    def __init__(self, kv: WorkerKV | None, off: str, stats: StatsRecorder, report: WorkerReport):
         self.kv, self.off = kv, off
         self.stats, self.report = stats, report
         self.jobs: dict[DonorKey, CaptureJob] = {}
@@ -59,8 +58,13 @@ class Captures:
                 raise DonorUnavailable("its load failed")
             pool_blocks = self.kv.store.allocate(spec.key, len(spec.block_ids))
         except DonorUnavailable as exc:
-            warn_once(logger, "capture", "SemShare: request %s is not kept as a donor: %s",
-                      spec.req_id, exc)
+            warn_once(
+                logger,
+                "capture",
+                "SemShare: request %s is not kept as a donor: %s",
+                spec.req_id,
+                exc,
+            )
             self.report.finished_sending.add(spec.req_id)  # release its blocks, keep nothing
             self.report.bad_donors.append(spec.key)
             return
@@ -94,8 +98,9 @@ class Captures:
             rows = None
             if kv.tier is not None:
                 n = len(spec.token_ids)
-                rows = stage_rows(pool, slots_for(job.pool_blocks, 0, n, kv.block_size),
-                                  kv.store.offsets)
+                rows = stage_rows(
+                    pool, slots_for(job.pool_blocks, 0, n, kv.block_size), kv.store.offsets
+                )
         return (time.perf_counter() - t0) * 1e3, rows
 
     def reap(self, wait_for: DonorKey | None = None) -> None:
@@ -110,8 +115,13 @@ class Captures:
             try:
                 ms, rows = job.copy.result()
             except Exception as exc:
-                warn_once(logger, "capture_copy", "SemShare: capturing request %s failed; it is "
-                          "not a donor", job.spec.req_id, exc_info=exc)
+                warn_once(
+                    logger,
+                    "capture_copy",
+                    "SemShare: capturing request %s failed; it is not a donor",
+                    job.spec.req_id,
+                    exc_info=exc,
+                )
                 self.kv.store.abort_write(key)
                 self.report.bad_donors.append(key)
                 continue

@@ -38,7 +38,7 @@ logger = logging.getLogger("vllm.semshare.worker")
 
 
 class SemShareWorker:
-    logger = logger   # for logs.guarded
+    logger = logger  # for logs.guarded
 
     def __init__(self, config: SemShareConfig, geometry: KVGeometry, vllm_config):
         self.config = config
@@ -47,7 +47,7 @@ class SemShareWorker:
         self.stats = StatsRecorder()
         self.report = WorkerReport(geometry.block_size)
         self.disabled: str | None = geometry.unsupported
-        self.kv: WorkerKV | None = None   # what register_kv_caches built
+        self.kv: WorkerKV | None = None  # what register_kv_caches built
         self._closed = False
         self._assemble()
 
@@ -55,20 +55,25 @@ class SemShareWorker:
         """The parts over ``self.kv`` (None: they refuse every capture and load)."""
         off = self.disabled or "no host store"
         self.captures = Captures(self.kv, off, self.stats, self.report)
-        self.loads = Loads(self.kv, off, self.captures, self.config, self._vllm_config,
-                           self.stats, self.report)
+        self.loads = Loads(
+            self.kv, off, self.captures, self.config, self._vllm_config, self.stats, self.report
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
             return
         try:
-            self.kv = setup.build(kv_caches, self.config, self.geometry, self._vllm_config,
-                                  self.stats)
+            self.kv = setup.build(
+                kv_caches, self.config, self.geometry, self._vllm_config, self.stats
+            )
         except Exception as exc:  # e.g. a layout or ISA we cannot read, no memory for the pool
             self.disabled = f"{type(exc).__name__}: {exc}"
-            self.report.disabled = self.disabled   # the scheduler then stops claiming
-            logger.warning("SemShare disabled on this worker (requests are computed as usual; "
-                           "the scheduler stops claiming): %s", self.disabled)
+            self.report.disabled = self.disabled  # the scheduler then stops claiming
+            logger.warning(
+                "SemShare disabled on this worker (requests are computed as usual; "
+                "the scheduler stops claiming): %s",
+                self.disabled,
+            )
             self._assemble()
             return
         self._assemble()
@@ -99,15 +104,15 @@ class SemShareWorker:
         self.captures.take(spec)
 
     def _release(self, spec: CaptureSpec) -> None:
-        self.report.finished_sending.add(spec.req_id)   # vLLM must free its blocks anyway
-        self.report.bad_donors.append(spec.key)         # and the scheduler forget the donor
+        self.report.finished_sending.add(spec.req_id)  # vLLM must free its blocks anyway
+        self.report.bad_donors.append(spec.key)  # and the scheduler forget the donor
 
     @guarded("loading a donor", on_fault="_unload")
     def _load(self, spec: LoadSpec) -> None:
         self.loads.load(spec)
 
     def _unload(self, spec: LoadSpec) -> None:
-        self.loads.invalidate(spec)   # vLLM counts these tokens as loaded: it must recompute
+        self.loads.invalidate(spec)  # vLLM counts these tokens as loaded: it must recompute
 
     @guarded("starting captures")
     def start_captures(self) -> None:
@@ -116,8 +121,9 @@ class SemShareWorker:
 
     # ---- reports back to vLLM and the scheduler -----------------------------------------------
     @guarded("reporting finished captures", (None, None))
-    def get_finished(self, finished_req_ids: set[str] = frozenset()
-                     ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str] = frozenset()
+    ) -> tuple[set[str] | None, set[str] | None]:
         # vLLM sends a request's capture in the step that reports it finished: taken above
         self.captures.reap()
         return self.report.take_finished(finished_req_ids), None

@@ -38,20 +38,31 @@ logger = logging.getLogger("vllm.semshare.worker")
 class Loads:
     """``kv`` None: this worker holds no store (off), so every load fails for ``off``."""
 
-    def __init__(self, kv: WorkerKV | None, off: str, captures: Captures,
-                 config: SemShareConfig, vllm_config, stats: StatsRecorder,
-                 report: WorkerReport):
+    def __init__(
+        self,
+        kv: WorkerKV | None,
+        off: str,
+        captures: Captures,
+        config: SemShareConfig,
+        vllm_config,
+        stats: StatsRecorder,
+        report: WorkerReport,
+    ):
         self.kv, self.off, self.captures = kv, off, captures
         self.config, self._vllm_config = config, vllm_config
         self.stats, self.report = stats, report
 
     def load(self, spec: LoadSpec) -> None:
         if spec.mark_logprobs_until and not mark_served_rows(
-                model_hook.loaded_runner(self._vllm_config), spec.req_id,
-                spec.mark_logprobs_until):
+            model_hook.loaded_runner(self._vllm_config), spec.req_id, spec.mark_logprobs_until
+        ):
             # no rows to mark (another runner): vLLM computes, and scores, every position
-            warn_once(logger, "logprobs", "SemShare: cannot mark the prompt logprobs of request "
-                      "%s; its prompt is computed", spec.req_id)
+            warn_once(
+                logger,
+                "logprobs",
+                "SemShare: cannot mark the prompt logprobs of request %s; its prompt is computed",
+                spec.req_id,
+            )
             self.invalidate(spec)
             self.stats.add("load_failures")
             return
@@ -70,8 +81,14 @@ class Loads:
             else:
                 self._copy_exact(spec, donor_blocks, donor_tokens, held is not None)
         except Exception as exc:
-            warn_once(logger, "load", "SemShare: loading donor %s for request %s failed (%s); "
-                      "its tokens are recomputed", spec.key.donor_id, spec.req_id, exc)
+            warn_once(
+                logger,
+                "load",
+                "SemShare: loading donor %s for request %s failed (%s); its tokens are recomputed",
+                spec.key.donor_id,
+                spec.req_id,
+                exc,
+            )
             self.invalidate(spec)
             self.report.bad_donors.append(spec.key)
             self.stats.add("load_failures")
@@ -102,17 +119,26 @@ class Loads:
                 raise
         return self.kv.tier.fetch(spec, self.kv.store)
 
-    def _copy_exact(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
-                    from_cache: bool) -> None:
+    def _copy_exact(
+        self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int, from_cache: bool
+    ) -> None:
         if donor_tokens < spec.src_start + spec.num_tokens:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
         for layers, stack in self.kv.stacks:
             src = stack if from_cache else self.kv.store.pool[layers]
-            self.kv.layout.copy_tokens(src, donor_blocks, spec.src_start, stack,
-                                       spec.block_ids, spec.dst_start, spec.num_tokens)
+            self.kv.layout.copy_tokens(
+                src,
+                donor_blocks,
+                spec.src_start,
+                stack,
+                spec.block_ids,
+                spec.dst_start,
+                spec.num_tokens,
+            )
 
-    def _move_aligned(self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int,
-                      from_cache: bool) -> None:
+    def _move_aligned(
+        self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int, from_cache: bool
+    ) -> None:
         """Semantic load: each aligned position takes its donor row, K RoPE-corrected from the
         donor's position to its own (``kernels.gather_rearrange``); unaligned positions are left
         for the recompute, which redoes them in every layer."""
@@ -129,12 +155,18 @@ class Loads:
         bs = self.kv.block_size
         donor_slots = slots_for(donor_blocks, 0, int(rows[-1]) + 1, bs)[rows]
         target_pos = spec.dst_start + aligned
-        dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens,
-                              bs)[target_pos]
+        dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens, bs)[target_pos]
         src = torch.as_tensor(src_rows)
         for layers, stack in self.kv.stacks:
             pages = stack if from_cache else self.kv.store.pool[layers]
             staged = stage_rows(pages, donor_slots, repairer.offsets)  # [layers, rows, H, 2D]
-            gather_rearrange(staged, src, dst_slots, list(stack), repairer.offsets,
-                             repairer.rope, torch.as_tensor(rows)[src],
-                             torch.as_tensor(target_pos))
+            gather_rearrange(
+                staged,
+                src,
+                dst_slots,
+                list(stack),
+                repairer.offsets,
+                repairer.rope,
+                torch.as_tensor(rows)[src],
+                torch.as_tensor(target_pos),
+            )

@@ -31,15 +31,20 @@ logger = logging.getLogger("vllm.semshare.worker")
 class Repairer:
     """What repairs a load on this worker (built once, ``setup.make_repairer``)."""
 
-    runner: LayerRunner          # the model's layers over vLLM's paged caches
+    runner: LayerRunner  # the model's layers over vLLM's paged caches
     # Semantic loads move donor rows to other positions: K is re-rotated with the model's own
     # RoPE, through one address scheme for this engine's pages.
     rope: RopeTable
     offsets: PageOffsets
 
 
-def repair(repairer: Repairer | None, spec: LoadSpec, config: SemShareConfig,
-           stats: StatsRecorder, report: WorkerReport) -> None:
+def repair(
+    repairer: Repairer | None,
+    spec: LoadSpec,
+    config: SemShareConfig,
+    stats: StatsRecorder,
+    report: WorkerReport,
+) -> None:
     """Recompute what ``spec.policy`` picks of the loaded range, in place in its blocks."""
     end = spec.dst_start + spec.num_tokens
     if repairer is None:
@@ -48,13 +53,22 @@ def repair(repairer: Repairer | None, spec: LoadSpec, config: SemShareConfig,
         return
     t0 = time.perf_counter()
     try:
-        selection = make_selection(spec.policy, np.arange(spec.dst_start, end),
-                                   np.asarray(spec.always, dtype=np.int64), config)
-        result = repairer.runner.recompute(spec.token_ids, spec.block_ids, selection,
-                                           context=end)
+        selection = make_selection(
+            spec.policy,
+            np.arange(spec.dst_start, end),
+            np.asarray(spec.always, dtype=np.int64),
+            config,
+        )
+        result = repairer.runner.recompute(spec.token_ids, spec.block_ids, selection, context=end)
     except Exception as exc:
-        warn_once(logger, "recompute", "SemShare: recompute for request %s failed (%s); its "
-                  "loaded tokens are computed by vLLM", spec.req_id, exc)
+        warn_once(
+            logger,
+            "recompute",
+            "SemShare: recompute for request %s failed (%s); its "
+            "loaded tokens are computed by vLLM",
+            spec.req_id,
+            exc,
+        )
         report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
         stats.add("recompute_failures")
         return

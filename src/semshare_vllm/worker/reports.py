@@ -27,14 +27,14 @@ class WorkerReport:
     # for the scheduler (SemShareWorkerMetadata)
     bad_donors: list[DonorKey] = field(default_factory=list)
     deviations: list[tuple[DonorKey, float]] = field(default_factory=list)  # per semantic load
-    capacity: int | None = None          # once, after register_kv_caches
+    capacity: int | None = None  # once, after register_kv_caches
     recompute_ready: bool | None = None  # once, with the capacity
-    disabled: str | None = None          # once, when this worker turned itself off
+    disabled: str | None = None  # once, when this worker turned itself off
 
     def fail_load(self, req_id: str, block_ids: list[int], start: int, num_tokens: int) -> None:
         """Report the blocks of positions ``[start, start + num_tokens)`` failed."""
         first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
-        self.invalid_blocks.update(block_ids[first:last + 1])
+        self.invalid_blocks.update(block_ids[first : last + 1])
         self.failed_loads.add(req_id)
 
     def take_finished(self, finished_req_ids: Iterable[str]) -> set[str] | None:
@@ -47,11 +47,16 @@ class WorkerReport:
         return bad
 
     def take_worker_meta(self) -> SemShareWorkerMetadata | None:
-        if not self.bad_donors and self.capacity is None and not self.deviations \
-                and self.disabled is None:
+        if (
+            not self.bad_donors
+            and self.capacity is None
+            and not self.deviations
+            and self.disabled is None
+        ):
             return None
-        meta = SemShareWorkerMetadata(self.bad_donors, self.capacity, self.recompute_ready,
-                                      self.deviations, self.disabled)
+        meta = SemShareWorkerMetadata(
+            self.bad_donors, self.capacity, self.recompute_ready, self.deviations, self.disabled
+        )
         self.bad_donors, self.capacity, self.recompute_ready = [], None, None
         self.deviations, self.disabled = [], None
         return meta

@@ -33,18 +33,23 @@ logger = logging.getLogger("vllm.semshare.worker")
 class WorkerKV:
     """vLLM's paged KV caches as this worker addresses them, and the donor stores beside."""
 
-    caches: list[torch.Tensor]     # one paged KV tensor per layer, geometry order
+    caches: list[torch.Tensor]  # one paged KV tensor per layer, geometry order
     # The same as [layers, blocks, H, N, C] stacks (usually one): (layer range, tensor)
     stacks: list[tuple[slice, torch.Tensor]]
     layout: PageSpec
-    block_size: int                # the scheduler's blocks (the kernels' too: checked)
+    block_size: int  # the scheduler's blocks (the kernels' too: checked)
     store: HostKVStore
-    tier: Tier | None              # LMCache (kv_tier), shared across instances
-    repairer: Repairer | None      # selective recompute (recompute_policy)
+    tier: Tier | None  # LMCache (kv_tier), shared across instances
+    repairer: Repairer | None  # selective recompute (recompute_policy)
 
 
-def build(kv_caches: dict[str, torch.Tensor], config: SemShareConfig, geometry: KVGeometry,
-          vllm_config, stats) -> WorkerKV:
+def build(
+    kv_caches: dict[str, torch.Tensor],
+    config: SemShareConfig,
+    geometry: KVGeometry,
+    vllm_config,
+    stats,
+) -> WorkerKV:
     """Raises for a layout this worker cannot address, or no memory for the pool."""
     layouts, caches = set(), []
     layers = attention_layers(vllm_config, geometry.layer_names)
@@ -80,7 +85,8 @@ def check_block_size(name: str, cache: torch.Tensor, layer: AttentionLayer, bs: 
         raise UnsupportedKVLayout(
             f"layer {name}: {what} {has}, the scheduler's blocks are {bs} tokens "
             "(kernel-block splitting is not supported"
-            + (f"; serve with --block-size {n})" if n else ")"))
+            + (f"; serve with --block-size {n})" if n else ")")
+        )
 
     if cache.dim() == 4 and cache.shape[2] != bs:
         refuse("the registered KV tensor", cache.shape[2])
@@ -88,7 +94,7 @@ def check_block_size(name: str, cache: torch.Tensor, layer: AttentionLayer, bs: 
         if t.shape[2] != bs:
             refuse("the attention layer's KV view", t.shape[2])
     sizes = layer.kernel_block_sizes
-    if layer.kv_cache_views or sizes is None:   # (None: nothing more to check)
+    if layer.kv_cache_views or sizes is None:  # (None: nothing more to check)
         return
     if not sizes.accepts(bs):
         fixed = [s for s in sizes.fixed if bs % s == 0]
@@ -100,45 +106,65 @@ def check_whole_pages(cache: torch.Tensor, head_size: int) -> None:
     no per-token view (the CPU backend's element order is learnt by writing numbers through its
     cache op, which fp8 cannot hold exactly), only the page shape is checked."""
     if cache.dim() != 4 or cache.shape[3] != 2 * head_size:
-        raise UnsupportedKVLayout(f"expected [B, H, N, {2 * head_size}] KV pages, got "
-                                  f"{tuple(cache.shape)}")
+        raise UnsupportedKVLayout(
+            f"expected [B, H, N, {2 * head_size}] KV pages, got {tuple(cache.shape)}"
+        )
 
 
-def make_store(config: SemShareConfig, geometry: KVGeometry, layout: PageSpec,
-               cache: torch.Tensor, rank: int) -> HostKVStore:
+def make_store(
+    config: SemShareConfig, geometry: KVGeometry, layout: PageSpec, cache: torch.Tensor, rank: int
+) -> HostKVStore:
     root = None
     if config.persist_dir:
         root = Path(config.persist_dir) / geometry.fingerprint
     capacity = fit_to_memory(config.host_store_bytes, geometry.tp_size)
-    return HostKVStore(capacity, list(geometry.layer_names), tuple(cache.shape[1:]),
-                       cache.dtype, layout.name, rank,
-                       geometry.tp_size, root, pin_memory=cache.is_cuda,
-                       page_layout=None if geometry.exact_only else layout)
+    return HostKVStore(
+        capacity,
+        list(geometry.layer_names),
+        tuple(cache.shape[1:]),
+        cache.dtype,
+        layout.name,
+        rank,
+        geometry.tp_size,
+        root,
+        pin_memory=cache.is_cuda,
+        page_layout=None if geometry.exact_only else layout,
+    )
 
 
-def make_repairer(config: SemShareConfig, geometry: KVGeometry, vllm_config,
-                  kv_caches: dict[str, torch.Tensor], layout: PageSpec,
-                  cache: torch.Tensor) -> Repairer | None:
+def make_repairer(
+    config: SemShareConfig,
+    geometry: KVGeometry,
+    vllm_config,
+    kv_caches: dict[str, torch.Tensor],
+    layout: PageSpec,
+    cache: torch.Tensor,
+) -> Repairer | None:
     """The layer runner over the model the plugin hook recorded, when recompute is on. Any
     problem turns recompute off with one warning: loads that need repair are then reported
     failed (vLLM computes those tokens); exact loads stay plain copies."""
     if config.recompute_policy == "none" or geometry.exact_only:
-        return None    # quantised KV: the repair would ignore its scales (layout/geometry.py)
+        return None  # quantised KV: the repair would ignore its scales (layout/geometry.py)
     if getattr(vllm_config, "lora_config", None) is not None:
         # The model's LoRA layers apply the adapters of the batch vLLM is running, by
         # position, not those of the request being repaired.
-        logger.warning("SemShare: selective recompute (and so semantic reuse) is off on "
-                       "this worker: LoRA is enabled; exact-prefix reuse stays on")
+        logger.warning(
+            "SemShare: selective recompute (and so semantic reuse) is off on "
+            "this worker: LoRA is enabled; exact-prefix reuse stays on"
+        )
         return None
     model = model_hook.loaded_model(vllm_config)
     try:
         if model is None:
             raise UnsupportedModel(
                 "the plugin hook saw no model load (model runners wrapped: "
-                f"{', '.join(model_hook.installed()) or 'none'})")
-        return Repairer(LayerRunner(model, kv_caches, layout),
-                        RopeTable.from_model(model),
-                        layout.offsets(cache))
+                f"{', '.join(model_hook.installed()) or 'none'})"
+            )
+        return Repairer(
+            LayerRunner(model, kv_caches, layout),
+            RopeTable.from_model(model),
+            layout.offsets(cache),
+        )
     except Exception as exc:
         logger.warning("SemShare: selective recompute is off on this worker: %s", exc)
         return None
@@ -151,9 +177,11 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
     if config.kv_tier != "lmcache":
         return None
     if geometry.exact_only:
-        logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in the "
-                       "host store of this instance): it moves KV as rows, and %s",
-                       geometry.exact_only)
+        logger.warning(
+            "SemShare: the LMCache tier is off on this worker (donors stay in the "
+            "host store of this instance): it moves KV as rows, and %s",
+            geometry.exact_only,
+        )
         return None
     marks = None
     try:
@@ -163,15 +191,26 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
         if config.shared_index_url:
             from semshare_vllm.catalog.shared_index import KVReadyMarks
 
-            marks = KVReadyMarks(config.shared_index_url, g.fingerprint, rank,
-                                 config.shared_index_secret)
+            marks = KVReadyMarks(
+                config.shared_index_url, g.fingerprint, rank, config.shared_index_secret
+            )
         store = LMCacheKVStore(
-            len(g.layer_names), g.num_kv_heads, g.head_size, g.dtype,
-            model_name=g.fingerprint,   # keys differ wherever the KV geometry differs
+            len(g.layer_names),
+            g.num_kv_heads,
+            g.head_size,
+            g.dtype,
+            model_name=g.fingerprint,  # keys differ wherever the KV geometry differs
             local_cpu_bytes=config.lmcache_local_cpu_bytes,
-            remote_url=config.lmcache_remote_url, tp_rank=rank, tp_size=g.tp_size)
+            remote_url=config.lmcache_remote_url,
+            tp_rank=rank,
+            tp_size=g.tp_size,
+        )
         return Tier(store, stats, rank, marks)
     except Exception as exc:
-        logger.warning("SemShare: the LMCache tier is off on this worker (donors stay in "
-                       "the host store of this instance): %s: %s", type(exc).__name__, exc)
+        logger.warning(
+            "SemShare: the LMCache tier is off on this worker (donors stay in "
+            "the host store of this instance): %s: %s",
+            type(exc).__name__,
+            exc,
+        )
         return None

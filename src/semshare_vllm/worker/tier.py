@@ -28,10 +28,10 @@ logger = logging.getLogger("vllm.semshare.worker")
 
 class Tier:
     def __init__(self, store: DonorKVStore, stats: StatsRecorder, rank: int, ready_marks=None):
-        self.store = store               # LMCacheKVStore
+        self.store = store  # LMCacheKVStore
         self.stats = stats
-        self.rank = rank                 # this worker's tensor-parallel rank (its KV shard)
-        self.ready_marks = ready_marks   # catalog.shared_index.KVReadyMarks, with a shared index
+        self.rank = rank  # this worker's tensor-parallel rank (its KV shard)
+        self.ready_marks = ready_marks  # catalog.shared_index.KVReadyMarks, with a shared index
         # donor -> digest of the KV this rank put (what a fetch back must match)
         self.digests: dict[DonorKey, str] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
@@ -55,8 +55,13 @@ class Tier:
                 # other instances may now load it, if what they fetch is what was put here
                 kept = self.ready_marks.mark(key.donor_id, digest)
         except Exception as exc:
-            warn_once(logger, "tier_put", "SemShare: putting donor %s in LMCache failed: %s",
-                      key.donor_id, exc)
+            warn_once(
+                logger,
+                "tier_put",
+                "SemShare: putting donor %s in LMCache failed: %s",
+                key.donor_id,
+                exc,
+            )
             kept = False
         return (time.perf_counter() - t0) * 1e3 if kept else None
 
@@ -80,8 +85,9 @@ class Tier:
         t0 = time.perf_counter()
         rows = self.store.get(spec.key, spec.donor_token_ids)
         if rows is None:
-            raise DonorUnavailable(f"donor {spec.key.donor_id} is in neither the host store "
-                                   "nor LMCache")
+            raise DonorUnavailable(
+                f"donor {spec.key.donor_id} is in neither the host store nor LMCache"
+            )
         self._check_digest(spec, rows)
         if not host.put(spec.key, spec.donor_token_ids, rows):
             raise DonorUnavailable(f"donor {spec.key.donor_id} does not fit the host store")
@@ -105,8 +111,10 @@ class Tier:
         got = kv_digest(rows, getattr(self.store, "dtype", None))
         if not hmac.compare_digest(got.encode(), str(expected).encode()):
             self.stats.add("tier_digest_mismatches")
-            raise DonorUnavailable(f"donor {spec.key.donor_id}: the KV in LMCache is not what "
-                                   "was put there (digest mismatch)")
+            raise DonorUnavailable(
+                f"donor {spec.key.donor_id}: the KV in LMCache is not what "
+                "was put there (digest mismatch)"
+            )
 
     # ---- end ----------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -25,15 +25,24 @@ def ids(text):
 doc = ids(wiki_document(500, 1500))
 a, b = doc + ids("\nQuestion one?"), doc + ids("\nAnd question two, please?")
 fillers = [ids(wiki_document(2000 + 40 * i, 3000))[:900] for i in range(4)]
-llm = offline.make_llm(model, {"kv_connector": "SemShareConnector", "kv_role": "kv_both",
-                               "kv_connector_module_path": "semshare_vllm.connector",
-                               "kv_connector_extra_config": {"host_store_bytes": "256MiB"}},
-                       enable_prefix_caching=True, num_gpu_blocks_override=40, max_model_len=1024)
+llm = offline.make_llm(
+    model,
+    {
+        "kv_connector": "SemShareConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "semshare_vllm.connector",
+        "kv_connector_extra_config": {"host_store_bytes": "256MiB"},
+    },
+    enable_prefix_caching=True,
+    num_gpu_blocks_override=40,
+    max_model_len=1024,
+)
 
 
 def run(prompt):
-    return offline.summarize(llm.generate([{"prompt_token_ids": prompt}], offline.greedy(12),
-                                          use_tqdm=False))[0]
+    return offline.summarize(
+        llm.generate([{"prompt_token_ids": prompt}], offline.greedy(12), use_tqdm=False)
+    )[0]
 
 
 first = run(a)
@@ -43,7 +52,15 @@ hits_before_eviction = sched.stats.totals["hit_tokens"]
 for f in fillers:  # 4 x 900 tokens through a 1,280-token cache: the document's blocks go
     run(f)
 last = run(b)
-print(json.dumps({"b_with_vllm_cache": again, "b_after_eviction": last, "prompt_b": b,
-                  "hit_tokens_before_eviction": hits_before_eviction,
-                  "scheduler": dict(sched.stats.totals),
-                  "worker": dict(get_kv_transfer_group().worker.stats.totals)}))
+print(
+    json.dumps(
+        {
+            "b_with_vllm_cache": again,
+            "b_after_eviction": last,
+            "prompt_b": b,
+            "hit_tokens_before_eviction": hits_before_eviction,
+            "scheduler": dict(sched.stats.totals),
+            "worker": dict(get_kv_transfer_group().worker.stats.totals),
+        }
+    )
+)

@@ -50,36 +50,36 @@ def check_consistent(al, target, donor):
     assert np.array_equal(aligned, al.kind != MatchKind.NONE)
     same = np.zeros(len(t), dtype=bool)
     same[aligned] = t[aligned] == d[al.donor_pos[aligned]]
-    assert np.array_equal(al.kind == MatchKind.EXACT, same)   # EXACT means the same token
+    assert np.array_equal(al.kind == MatchKind.EXACT, same)  # EXACT means the same token
     assert sum(al.stage_counts.values()) == aligned.sum()
     for run in al.runs:
         span = slice(run.target_start, run.target_start + run.length)
-        assert np.array_equal(t[span], d[run.donor_start:run.donor_start + run.length])
+        assert np.array_equal(t[span], d[run.donor_start : run.donor_start + run.length])
 
 
 # ---- edit stage --------------------------------------------------------------------------------
 def test_edit_stage_fills_the_gaps_of_a_lightly_edited_document():
     donor = tokens(400, 1)
     target = donor.copy()
-    target[5::9] = tokens(len(target[5::9]), 2)       # a replaced token every 9: no 16-run
+    target[5::9] = tokens(len(target[5::9]), 2)  # a replaced token every 9: no 16-run
     assert align_exact(target, donor).coverage == 0.0
     al = align(target, donor, EDIT_ONLY)
     check_consistent(al, target, donor)
     assert np.array_equal(al.donor_pos, np.arange(400))  # everything in place
     assert al.fuzzy_coverage == pytest.approx(len(target[5::9]) / 400)
     assert al.stage_counts == {"exact": 0, "edit": 400}
-    assert al.num_runs == len(target[5::9]) + 1            # the equal pieces between edits
+    assert al.num_runs == len(target[5::9]) + 1  # the equal pieces between edits
 
 
 def test_edit_stage_aligns_inserted_and_deleted_words_between_runs():
     a, b, c = tokens(100, 3), tokens(30, 4), tokens(100, 5)
     donor = np.r_[a, b, c]
-    edited_b = np.r_[b[:10], tokens(3, 6), b[10:20], b[24:]]   # 3 inserted, 4 deleted
+    edited_b = np.r_[b[:10], tokens(3, 6), b[10:20], b[24:]]  # 3 inserted, 4 deleted
     target = np.r_[a, edited_b, c]
     al = align(target, donor, EDIT_ONLY)
     check_consistent(al, target, donor)
-    gap = al.donor_pos[100:100 + len(edited_b)]
-    assert np.array_equal(gap[:10], 100 + np.arange(10))       # equal pieces land in place
+    gap = al.donor_pos[100 : 100 + len(edited_b)]
+    assert np.array_equal(gap[:10], 100 + np.arange(10))  # equal pieces land in place
     assert np.array_equal(gap[-6:], 124 + np.arange(6))
     assert al.coverage > 0.98
 
@@ -87,11 +87,11 @@ def test_edit_stage_aligns_inserted_and_deleted_words_between_runs():
 def test_edit_precheck_leaves_unrelated_gaps_alone():
     a, c = tokens(100, 7), tokens(100, 8)
     donor = np.r_[a, tokens(40, 9), c]
-    target = np.r_[a, tokens(40, 10), c]                       # the middle shares nothing
+    target = np.r_[a, tokens(40, 10), c]  # the middle shares nothing
     al = align(target, donor, EDIT_ONLY)
     assert (al.donor_pos[100:140] == -1).all()
     loose = align(target, donor, AlignParams(stages=("exact", "edit"), edit_min_similarity=0.0))
-    assert (loose.donor_pos[100:140] >= 0).all()               # without the pre-check: mapped
+    assert (loose.donor_pos[100:140] >= 0).all()  # without the pre-check: mapped
     check_consistent(loose, target, donor)
 
 
@@ -101,8 +101,12 @@ def test_splitter_finds_sentence_ends_in_the_vocabulary(tok, splitter):
     ids = np.asarray(tok(text)["input_ids"])
     starts = splitter.starts(ids)
     pieces = [tok.decode(ids[a:b]) for a, b in zip(starts, np.r_[starts[1:], len(ids)])]
-    assert [p.strip() for p in pieces] == ["The cat sat.", "It was warm!", "Why?",
-                                           "Because the sun was out."]
+    assert [p.strip() for p in pieces] == [
+        "The cat sat.",
+        "It was warm!",
+        "Why?",
+        "Because the sun was out.",
+    ]
 
 
 def test_runs_are_cut_where_they_spill_into_the_next_sentence():
@@ -110,12 +114,12 @@ def test_runs_are_cut_where_they_spill_into_the_next_sentence():
     splitter = SentenceSplitter([end])
     s1, s2 = tokens(40, 11), tokens(30, 12)
     s1[-1] = end
-    donor = np.r_[s1, s2[:3], tokens(30, 13)]                 # the next sentence starts alike
+    donor = np.r_[s1, s2[:3], tokens(30, 13)]  # the next sentence starts alike
     target = np.r_[tokens(5, 14), s1, s2]
     plain = align_exact(target, donor)
-    assert plain.runs[0].length == 43                          # s1 and 3 tokens of s2
+    assert plain.runs[0].length == 43  # s1 and 3 tokens of s2
     snapped = align(target, donor, AlignParams(stages=("exact",)), splitter=splitter)
-    assert snapped.runs[0].length == 40                        # s1 only
+    assert snapped.runs[0].length == 40  # s1 only
     check_consistent(snapped, target, donor)
 
 
@@ -151,12 +155,13 @@ def test_sentence_stage_pairs_moved_and_reworded_sentences(tok, table, splitter)
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_rope_rotation_is_relative(style):
     x = torch.randn(2, 64)
-    rot = lambda v, p: rope_rotate(v, np.array([p]), 1e4, style)[0]   # noqa: E731
+    rot = lambda v, p: rope_rotate(v, np.array([p]), 1e4, style)[0]  # noqa: E731
     assert torch.allclose(rot(x[:1], 0), x[0])
     assert torch.allclose(rot(x[:1], 37).norm(), x[0].norm())
     # <R(p) x, R(q) y> depends on q - p only: what makes position part of the match
-    assert torch.allclose(rot(x[:1], 10) @ rot(x[1:], 25), rot(x[:1], 110) @ rot(x[1:], 125),
-                          atol=1e-4)
+    assert torch.allclose(
+        rot(x[:1], 10) @ rot(x[1:], 25), rot(x[:1], 110) @ rot(x[1:], 125), atol=1e-4
+    )
 
 
 def test_lsh_maps_an_identical_prompt_onto_itself(tok, table):
@@ -171,8 +176,12 @@ def test_lsh_similarity_falls_as_text_is_reworded(tok, table):
     doc, other = sources.wiki_doc(), sources.wiki_doc()
     donor = tok(doc)["input_ids"]
     words = other.split()
-    scores = [lsh_similarity(table, tok(P.reword_document(doc, lvl, random.Random(1), words))
-                             ["input_ids"], donor) for lvl in (0.0, 0.2, 0.5)]
+    scores = [
+        lsh_similarity(
+            table, tok(P.reword_document(doc, lvl, random.Random(1), words))["input_ids"], donor
+        )
+        for lvl in (0.0, 0.2, 0.5)
+    ]
     unrelated = lsh_similarity(table, tok(other)["input_ids"], donor)
     assert scores[0] == 1.0
     assert scores[0] > scores[1] > scores[2] > unrelated
@@ -180,9 +189,9 @@ def test_lsh_similarity_falls_as_text_is_reworded(tok, table):
 
 def test_lsh_candidates_break_ties_by_the_predicted_position(table):
     x = 1234
-    donor = np.r_[tokens(10, 20), [x], tokens(39, 21), [x], tokens(20, 22)]   # x at 10 and 50
-    target = np.r_[tokens(2, 23), donor[:48], [x], donor[51:]]               # offset +2
-    target[2 + 10] = 999                                   # the early x is not in the target
+    donor = np.r_[tokens(10, 20), [x], tokens(39, 21), [x], tokens(20, 22)]  # x at 10 and 50
+    target = np.r_[tokens(2, 23), donor[:48], [x], donor[51:]]  # offset +2
+    target[2 + 10] = 999  # the early x is not in the target
     lsh = LshParams(rope_style="none", candidates=4, max_distance=0.0)
     al = align(target, donor, AlignParams(stages=("exact", "lsh"), lsh=lsh), table)
     assert al.donor_pos[50] == 50 and al.kind[50] == MatchKind.EXACT
@@ -194,10 +203,12 @@ def test_lsh_distance_cap_and_codes(table):
     codes = lsh_codes(table, np.arange(100, 140), np.arange(40), params)
     assert codes.shape == (40, 6) and codes.dtype == np.uint8
     donor, target = tokens(200, 30), tokens(200, 31)
-    strict = align(target, donor, AlignParams(stages=("lsh",),
-                                               lsh=LshParams(max_distance=0.05)), table)
-    loose = align(target, donor, AlignParams(stages=("lsh",), lsh=LshParams(max_distance=1.0)),
-                  table)
+    strict = align(
+        target, donor, AlignParams(stages=("lsh",), lsh=LshParams(max_distance=0.05)), table
+    )
+    loose = align(
+        target, donor, AlignParams(stages=("lsh",), lsh=LshParams(max_distance=1.0)), table
+    )
     assert loose.coverage == 1.0 and strict.coverage < 0.2
     check_consistent(strict, target, donor)
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -227,6 +238,7 @@ def test_embedding_table_reads_only_the_embedding(table):
     def cosines(v):
         a, b = v[ids[:, 0]], v[ids[:, 1]]
         return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
     assert np.corrcoef(cosines(table.vectors), cosines(sketch.vectors))[0, 1] > 0.8
 
 
@@ -234,20 +246,26 @@ def test_embedding_table_bf16_and_missing(tmp_path):
     from safetensors.torch import save_file
 
     weight = torch.randn(50, 8)
-    save_file({"model.embed_tokens.weight": weight.to(torch.bfloat16),
-               "model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": weight.to(torch.bfloat16),
+            "model.norm.weight": torch.ones(8),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
     t = EmbeddingTable.load(tmp_path)
     assert np.allclose(t.vectors, weight.to(torch.bfloat16).float().numpy())
-    assert t.rope_base == 10000.0                         # no config.json: the common default
+    assert t.rope_base == 10000.0  # no config.json: the common default
     with pytest.raises(EmbeddingUnavailable):
         EmbeddingTable.load(tmp_path / "nowhere")
 
 
 # ---- config ------------------------------------------------------------------------------------
 def test_alignment_config_keys():
-    cfg = SemShareConfig.from_extra_config({"align_stages": "exact, lsh", "lsh_bits": 16,
-                                            "lsh_tables": 4, "lsh_rope_base": 500000.0},
-                                           environ={})
+    cfg = SemShareConfig.from_extra_config(
+        {"align_stages": "exact, lsh", "lsh_bits": 16, "lsh_tables": 4, "lsh_rope_base": 500000.0},
+        environ={},
+    )
     params = AlignParams.from_config(cfg)
     assert params.stages == ("exact", "lsh") and params.lsh.total_bits == 64
     assert params.lsh.rope_base == 500000.0
@@ -288,10 +306,10 @@ def test_rope_far_positions_match_the_kept_table():
 
     x = torch.randn(3, 32)
     far = np.array([5, 40_000, 70_000])
-    got = rope_rotate(x, far, 1e4)                        # beyond the kept table
+    got = rope_rotate(x, far, 1e4)  # beyond the kept table
     angle = torch.from_numpy(far.astype(np.float64))[:, None] * lsh._inv_freq(1e4, 32)
     a, b = x[:, :16].double(), x[:, 16:].double()
     want = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], 1)
     assert torch.allclose(got.double(), want, atol=1e-5)
-    near = rope_rotate(x[:1], np.array([5]), 1e4)          # the kept table gives the same
+    near = rope_rotate(x[:1], np.array([5]), 1e4)  # the kept table gives the same
     assert torch.allclose(near, got[:1], atol=1e-6)

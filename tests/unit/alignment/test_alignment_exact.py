@@ -31,24 +31,24 @@ def test_shifted_document():
 def test_reordered_passages():
     passages = [tokens(100 + 10 * i, 10 + i) for i in range(5)]
     donor = [t for p in passages for t in p]
-    order = [3, 0, 4, 2, 1]                      # no two passages stay neighbours
+    order = [3, 0, 4, 2, 1]  # no two passages stay neighbours
     target = tokens(12, 99) + [t for i in order for t in passages[i]]
     al = align_exact(target, donor)
     check_exact(al, target, donor)
     assert al.num_runs == 5
     starts = np.cumsum([0] + [len(p) for p in passages])
-    for run, i in zip(al.runs, order):          # each passage finds its own donor span
+    for run, i in zip(al.runs, order):  # each passage finds its own donor span
         assert run.donor_start == starts[i] and run.length == len(passages[i])
 
 
 def test_repeated_text_stays_monotone_where_it_can():
     a, s, b = tokens(60, 1), tokens(40, 2), tokens(60, 3)
-    donor = a + s + b + s                        # s twice in the donor
-    target = b + [7] + s                         # b, then s: the s that follows b in the donor
+    donor = a + s + b + s  # s twice in the donor
+    target = b + [7] + s  # b, then s: the s that follows b in the donor
     al = align_exact(target, donor)
     check_exact(al, target, donor)
     assert [r.donor_start for r in al.runs] == [100, 160]
-    target = [7] + s + [8] + a                   # s first, nothing left of it: earliest copy
+    target = [7] + s + [8] + a  # s first, nothing left of it: earliest copy
     assert align_exact(target, donor).runs[0].donor_start == 60
 
 
@@ -63,7 +63,7 @@ def test_repeated_text_in_the_target_reuses_one_donor_span():
 
 def test_overlapping_runs_take_each_position_once():
     x = tokens(80, 8)
-    donor = x[:50] + tokens(5, 9) + x[30:]       # x's middle appears on two diagonals
+    donor = x[:50] + tokens(5, 9) + x[30:]  # x's middle appears on two diagonals
     target = x
     al = align_exact(target, donor, min_len=16)
     check_exact(al, target, donor)
@@ -73,7 +73,7 @@ def test_overlapping_runs_take_each_position_once():
 
 def test_min_len_and_no_match():
     donor = tokens(200, 11)
-    target = donor[50:65] + tokens(100, 12)      # 15 common tokens
+    target = donor[50:65] + tokens(100, 12)  # 15 common tokens
     assert find_runs(target, donor, min_len=16) == []
     assert len(find_runs(target, donor, min_len=8)) == 1
     empty = align_exact(tokens(10, 13), donor)

@@ -20,7 +20,7 @@ def sizer():
 @pytest.mark.parametrize("name", W.WORKLOADS)
 def test_workloads_are_real_text_sized_and_seeded(sizer, name):
     reqs = W.build(name, 2, 512, sizer, seed=3)
-    assert reqs == W.build(name, 2, 512, sizer, seed=3)          # the seed fixes them
+    assert reqs == W.build(name, 2, 512, sizer, seed=3)  # the seed fixes them
     assert reqs != W.build(name, 2, 512, sizer, seed=4) or name == "doc-qa"
     groups = {r.group for r in reqs}
     assert len(groups) == 2 and all(r.workload == name for r in reqs)
@@ -29,9 +29,10 @@ def test_workloads_are_real_text_sized_and_seeded(sizer, name):
     assert targets and all(len(r.prompt) > 100 for r in reqs)
     if name == "negative":
         assert not donors
-    else:                                     # each group: its donor first, then its targets
+    else:  # each group: its donor first, then its targets
         assert len(donors) == 2 and all(
-            [r.role for r in reqs if r.group == g][0] == "donor" for g in groups)
+            [r.role for r in reqs if r.group == g][0] == "donor" for g in groups
+        )
     if name in ("cross-instruction", "negative", "edit", "multi-turn"):
         assert all(sizer.count(r.prompt) < 512 + 120 for r in donors or reqs)
     if name == "doc-qa":
@@ -40,28 +41,39 @@ def test_workloads_are_real_text_sized_and_seeded(sizer, name):
         assert sorted({r.level for r in targets}) == list(W.EDIT_LEVELS)
     # held-out references: text the prompt should make likely, never in the prompt itself
     if name in ("cross-instruction", "negative", "edit"):
-        assert all(30 <= sizer.count(r.reference) <= W.REFERENCE_TOKENS + 2 and
-                   r.reference not in r.prompt for r in targets)
+        assert all(
+            30 <= sizer.count(r.reference) <= W.REFERENCE_TOKENS + 2 and r.reference not in r.prompt
+            for r in targets
+        )
     if name == "doc-qa":
         assert all(r.reference == " " + r.answer for r in targets)
     if name == "multi-turn":
-        assert sum(r.reference is not None and r.reference not in r.prompt
-                   for r in targets) >= len(targets) - 1
+        assert (
+            sum(r.reference is not None and r.reference not in r.prompt for r in targets)
+            >= len(targets) - 1
+        )
     if name == "rag-reorder":
         assert all(r.reference is None for r in reqs)
 
 
 def test_workload_file_errors_name_the_line(tmp_path):
     good = tmp_path / "w.jsonl"
-    good.write_text('{"prompt": "a donor text", "group": "g", "role": "donor"}\n\n'
-                    '{"prompt": "a target text", "group": "g", "answer": "x", "reference": " y"}\n')
+    good.write_text(
+        '{"prompt": "a donor text", "group": "g", "role": "donor"}\n\n'
+        '{"prompt": "a target text", "group": "g", "answer": "x", "reference": " y"}\n'
+    )
     reqs = W.load_file(good)
     assert [(r.group, r.role, r.answer, r.reference) for r in reqs] == [
-        ("g", "donor", None, None), ("g", "target", "x", " y")]
-    for line, why in [('{"group": "g"}', "missing 'prompt'"),
-                      ('{"prompt": "p", "role": "teacher"}', "'role' must be"),
-                      ("not json", "line 2"), ('["a list"]', "not a JSON object"),
-                      ('{"prompt": "p", "reference": 3}', "'reference' must be")]:
+        ("g", "donor", None, None),
+        ("g", "target", "x", " y"),
+    ]
+    for line, why in [
+        ('{"group": "g"}', "missing 'prompt'"),
+        ('{"prompt": "p", "role": "teacher"}', "'role' must be"),
+        ("not json", "line 2"),
+        ('["a list"]', "not a JSON object"),
+        ('{"prompt": "p", "reference": 3}', "'reference' must be"),
+    ]:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"prompt": "fine"}\n' + line + "\n")
         with pytest.raises(W.WorkloadError, match="line 2"):
@@ -88,8 +100,11 @@ class _PlainVllm(http.server.BaseHTTPRequestHandler):
     """Answers like a vLLM server without the connector: a model, metrics without ours."""
 
     def do_GET(self):
-        body = (json.dumps({"data": [{"id": "m"}]}) if self.path == "/v1/models"
-                else 'vllm:num_requests_running{model_name="m"} 0.0\n').encode()
+        body = (
+            json.dumps({"data": [{"id": "m"}]})
+            if self.path == "/v1/models"
+            else 'vllm:num_requests_running{model_name="m"} 0.0\n'
+        ).encode()
         self.send_response(200)
         self.end_headers()
         self.wfile.write(body)
@@ -111,8 +126,23 @@ def test_a_server_without_the_connector_is_refused(capsys):
 @pytest.mark.engine
 def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys):
     out, plots = tmp_path / "r.json", tmp_path / "plots"
-    rc = cli.main(["--launch", "--workloads", "all", "--context-tokens", "512", "--groups", "1",
-                   "--max-tokens", "8", "--out", str(out), "--plots", str(plots)])
+    rc = cli.main(
+        [
+            "--launch",
+            "--workloads",
+            "all",
+            "--context-tokens",
+            "512",
+            "--groups",
+            "1",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+            "--plots",
+            str(plots),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads(out.read_text())

@@ -5,8 +5,9 @@ BS = 4
 
 
 def record(ns, tokens, nbytes=100):
-    return DonorRecord(DonorKey(ns, donor_id_for(ns, tokens)), list(tokens), nbytes,
-                       block_hashes(tokens, BS))
+    return DonorRecord(
+        DonorKey(ns, donor_id_for(ns, tokens)), list(tokens), nbytes, block_hashes(tokens, BS)
+    )
 
 
 def test_longest_block_aligned_prefix():

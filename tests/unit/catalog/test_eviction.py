@@ -21,8 +21,9 @@ class Clock:
 
 def record(i, ns="", nbytes=100):
     tokens = [i] * 8
-    return DonorRecord(DonorKey(ns, donor_id_for(ns, tokens)), tokens, nbytes,
-                       block_hashes(tokens, BS))
+    return DonorRecord(
+        DonorKey(ns, donor_id_for(ns, tokens)), tokens, nbytes, block_hashes(tokens, BS)
+    )
 
 
 def embedding(seed):
@@ -53,8 +54,9 @@ def test_lru_and_the_vector_index_evict_together():
     assert evicted == [recs[1].key]
     assert ("", recs[1].key) not in vectors and vectors.size("") == 2
     # every searchable donor is in the catalog, and every embedded donor is searchable
-    assert {c.key for c in vectors.search("", embedding(0).vector, 10)} == \
-        {r.key for r in idx.records() if r.embedding is not None}
+    assert {c.key for c in vectors.search("", embedding(0).vector, 10)} == {
+        r.key for r in idx.records() if r.embedding is not None
+    }
 
 
 def test_a_late_embedding_for_an_evicted_donor_is_dropped():
@@ -62,9 +64,9 @@ def test_a_late_embedding_for_an_evicted_donor_is_dropped():
     a, b = record(1), record(2)
     idx.add(a)
     serial = a.serial
-    idx.add(b)                                 # evicts a before its embedding arrived
+    idx.add(b)  # evicts a before its embedding arrived
     assert not idx.set_embedding(a.key, serial, embedding(1), 1)
-    idx.add(a)                                 # the same donor captured again: a new serial
+    idx.add(a)  # the same donor captured again: a new serial
     assert not idx.set_embedding(a.key, serial, embedding(1), 1)
     assert idx.set_embedding(a.key, a.serial, embedding(1), 1)
     assert vectors.size("") == 1
@@ -74,11 +76,11 @@ def test_staleness_decay_prefers_fresh_donors_over_old_popular_ones():
     idx, _, clock = catalog("decay", half_life_s=60.0)
     old, mid, new = record(1), record(2), record(3)
     idx.add(old)
-    old.hits = 4                     # useful long ago
-    clock.now += 600                 # ten half-lives idle: worth (1+4)/1024
+    old.hits = 4  # useful long ago
+    clock.now += 600  # ten half-lives idle: worth (1+4)/1024
     idx.add(mid)
     mid.hits = 1
-    idx.touch(old.key)               # LRU would now evict mid ...
+    idx.touch(old.key)  # LRU would now evict mid ...
     old.last_used = clock.now - 600  # ... but old's last real use is long past
     idx.add(new)
     assert idx.add(record(4)) == [old.key]
@@ -100,9 +102,9 @@ def test_divergence_demotes_then_evicts():
     add_embedded(idx, good, 2)
     for _ in range(MIN_DEVIATION_REPORTS - 1):
         assert idx.report_deviation(bad.key, 0.9) == []
-    assert not bad.demoted                       # too few reports to judge
+    assert not bad.demoted  # too few reports to judge
     assert idx.report_deviation(bad.key, 0.9) == []
-    assert bad.demoted and ("", bad.key) not in vectors   # no longer offered
+    assert bad.demoted and ("", bad.key) not in vectors  # no longer offered
     idx.report_deviation(good.key, 0.05)
     # demoted donors go first, even if more recently used
     idx.touch(bad.key)

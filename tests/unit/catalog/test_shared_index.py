@@ -22,8 +22,9 @@ SECRET = "test-secret"
 
 def Feed(url, fingerprint="fp", **kw):
     """A feed counting into a recorder of its own (``feed.stats``), as the scheduler's."""
-    return SharedDonorFeed(url, fingerprint, secret=kw.pop("secret", SECRET),
-                           stats=StatsRecorder(), **kw)
+    return SharedDonorFeed(
+        url, fingerprint, secret=kw.pop("secret", SECRET), stats=StatsRecorder(), **kw
+    )
 
 
 def counts(feed):
@@ -45,11 +46,18 @@ def donor(i, ns="", with_embedding=True):
     emb = None
     if with_embedding:
         vec = rng.standard_normal(384).astype(np.float32)
-        emb = DocumentEmbedding(vec / np.linalg.norm(vec),
-                                rng.standard_normal((3, 384)).astype(np.float32), 700)
-    return SharedDonor(ns, did(i), rng.integers(0, 49152, 300 + i).tolist(), 250,
-                       embedding=emb, embedder_id="minilm-x",
-                       fingerprint=int(rng.integers(0, 2**63)) if with_embedding else None)
+        emb = DocumentEmbedding(
+            vec / np.linalg.norm(vec), rng.standard_normal((3, 384)).astype(np.float32), 700
+        )
+    return SharedDonor(
+        ns,
+        did(i),
+        rng.integers(0, 49152, 300 + i).tolist(),
+        250,
+        embedding=emb,
+        embedder_id="minilm-x",
+        fingerprint=int(rng.integers(0, 2**63)) if with_embedding else None,
+    )
 
 
 def publish_ready(feed, record, ranks=(0,)):
@@ -94,7 +102,7 @@ def test_records_cross_instances_intact_and_never_come_back_to_their_sender(redi
         # the per-rank digests of the KV, from the signed readiness marks
         assert first.kv_digests == [shard_digest(did(1), 0)]
         time.sleep(0.3)
-        assert a.take_arrived() == []                     # its own records are skipped
+        assert a.take_arrived() == []  # its own records are skipped
         assert counts(a)["donors_published"] == 2
     finally:
         a.close()
@@ -109,8 +117,7 @@ def test_a_late_instance_catches_up_and_other_models_stay_apart(redis):
             publish_ready(a, donor(i))
         late = Feed(redis.url)
         try:
-            assert sorted(r.donor_id for r in arrivals(late, 5)) == \
-                [did(i) for i in range(5)]
+            assert sorted(r.donor_id for r in arrivals(late, 5)) == [did(i) for i in range(5)]
         finally:
             late.close()
         time.sleep(0.3)
@@ -127,12 +134,12 @@ def test_an_outage_is_counted_and_reading_resumes_when_redis_is_back():
         publish_ready(a, donor(1))
         assert len(arrivals(b, 1)) == 1
         server.stop()
-        a.publish(donor(2))                               # lost, counted; nothing raises
+        a.publish(donor(2))  # lost, counted; nothing raises
         deadline = time.monotonic() + 10
         while (a.connected or b.connected) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not a.connected and not b.connected
-        server.start()                                    # same port, empty (no persistence)
+        server.start()  # same port, empty (no persistence)
         deadline = time.monotonic() + 20
         while not (a.connected and b.connected) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -157,8 +164,9 @@ def test_an_unreadable_record_is_dropped_and_counted(redis):
     try:
         client = redis_py.Redis.from_url(redis.url)
         client.xadd(feed.stream, {b"v": b"99", b"instance": b"future"})
-        client.xadd(feed.stream, sign_record({b"v": FORMAT, b"instance": b"x"}, "fp",
-                                             SECRET))                      # fields missing
+        client.xadd(
+            feed.stream, sign_record({b"v": FORMAT, b"instance": b"x"}, "fp", SECRET)
+        )  # fields missing
         feed_b = Feed(redis.url)
         try:
             publish_ready(feed_b, donor(4))
@@ -177,15 +185,15 @@ def test_a_record_waits_for_every_rank_and_is_dropped_if_its_kv_never_comes(redi
     try:
         two_ranks = donor(5)
         two_ranks.ranks = 2
-        publish_ready(a, two_ranks, ranks=(0,))        # rank 1's put is still in flight
+        publish_ready(a, two_ranks, ranks=(0,))  # rank 1's put is still in flight
         never = donor(6)
         never.ranks = 2
-        a.publish(never)                               # its KV never becomes readable
+        a.publish(never)  # its KV never becomes readable
         assert arrivals(b, 1, timeout_s=0.5) == []
         marks = KVReadyMarks(redis.url, "fp", 1, SECRET)
         marks.mark(did(5), shard_digest(did(5), 1))
         marks.close()
-        got, = arrivals(b, 1)
+        (got,) = arrivals(b, 1)
         assert got.donor_id == did(5)
         assert got.kv_digests == [shard_digest(did(5), 0), shard_digest(did(5), 1)]
         time.sleep(1.5)
@@ -219,17 +227,17 @@ def test_forged_records_are_dropped_counted_and_never_arrive(redis, client):
     try:
         forged = [donor(10 + i) for i in range(6)]
         for record in forged:
-            mark_ready(redis.url, record)          # even with its KV marked ready (signed)
+            mark_ready(redis.url, record)  # even with its KV marked ready (signed)
         fields = [record.encode("attacker") for record in forged]
-        client.xadd(feed.stream, fields[0])                                   # unsigned
-        client.xadd(feed.stream, {**fields[1], b"sig": b"00" * 32})           # wrong signature
+        client.xadd(feed.stream, fields[0])  # unsigned
+        client.xadd(feed.stream, {**fields[1], b"sig": b"00" * 32})  # wrong signature
         client.xadd(feed.stream, sign_record(fields[2], "fp", "another-secret"))
         client.xadd(feed.stream, sign_record(fields[3], "another-fp", SECRET))  # other stream's
         altered = sign_record(fields[4], "fp", SECRET)
-        altered[b"ns"] = b"tenant-x"                                         # after signing
+        altered[b"ns"] = b"tenant-x"  # after signing
         client.xadd(feed.stream, altered)
         altered = sign_record(fields[5], "fp", SECRET)
-        altered[b"extra"] = b"1"                                             # a field added
+        altered[b"extra"] = b"1"  # a field added
         client.xadd(feed.stream, altered)
         good = donor(20)
         mark_ready(redis.url, good)
@@ -246,18 +254,19 @@ def test_a_readiness_mark_without_the_secret_never_releases_a_record(redis, clie
     a, b = Feed(redis.url), Feed(redis.url, ready_wait_s=1.0)
     try:
         plain, other_secret, other_donor = donor(30), donor(31), donor(32)
-        client.set(ready_key("fp", plain.donor_id, 0), b"1")            # the old, bare mark
+        client.set(ready_key("fp", plain.donor_id, 0), b"1")  # the old, bare mark
         mark_ready(redis.url, other_secret, secret="another-secret")
         # a valid mark of another donor, copied to this one's key
         mark_ready(redis.url, donor(33))
-        client.set(ready_key("fp", other_donor.donor_id, 0),
-                   client.get(ready_key("fp", did(33), 0)))
+        client.set(
+            ready_key("fp", other_donor.donor_id, 0), client.get(ready_key("fp", did(33), 0))
+        )
         for record in (plain, other_secret, other_donor):
             a.publish(record)
         assert arrivals(b, 1, timeout_s=2.0) == []
         assert counts(b)["shared_records_unready"] == 3
         assert counts(b)["shared_records_forged"] == 3
-        mark_ready(redis.url, plain)                   # its real mark comes too late
+        mark_ready(redis.url, plain)  # its real mark comes too late
         time.sleep(0.3)
         assert b.take_arrived() == []
     finally:
@@ -280,25 +289,25 @@ def test_records_that_do_not_fit_this_engine_are_dropped_and_the_feed_goes_on(re
     rows, dim = 3, 384
     bad = [
         with_fields(40, ranks=str(10**9).encode()),
-        with_fields(41, ranks=b"1"),                                    # another TP size
+        with_fields(41, ranks=b"1"),  # another TP size
         with_fields(42, prompt=b"0"),
-        with_fields(43, prompt=b"100000"),                              # beyond its tokens
+        with_fields(43, prompt=b"100000"),  # beyond its tokens
         with_fields(44, prompt=b"-5"),
         with_fields(45, prompt=b"1e3"),
-        with_fields(46, tokens=b""),                                    # no tokens
-        with_fields(47, tokens=b"\x01\x02\x03"),                        # not int32s
+        with_fields(46, tokens=b""),  # no tokens
+        with_fields(47, tokens=b"\x01\x02\x03"),  # not int32s
         with_fields(48, tokens=np.arange(5000, dtype="<i4").tobytes()),  # over max_tokens
         with_fields(49, tokens=np.array([5, -1, 7], dtype="<i4").tobytes(), prompt=b"2"),
-        with_fields(50, vec=np.ones(100, dtype="<f4").tobytes()),       # not the segments' width
+        with_fields(50, vec=np.ones(100, dtype="<f4").tobytes()),  # not the segments' width
         with_fields(51, seg_rows=b"0", seg=b""),
-        with_fields(52, seg_rows=b"7"),                                 # not its segments
+        with_fields(52, seg_rows=b"7"),  # not its segments
         with_fields(53, vec=np.full(dim, np.nan, dtype="<f4").tobytes()),
         with_fields(54, seg=np.full((rows, dim), np.inf, dtype="<f4").tobytes()),
         with_fields(55, simhash=str(2**64).encode()),
         with_fields(56, simhash=b"-1"),
         with_fields(57, enc_tokens=b"many"),
-        with_fields(58, ns=b"\xff\xfe"),                                # not UTF-8
-        with_fields(59, id=b"../../etc"),                               # not a donor id
+        with_fields(58, ns=b"\xff\xfe"),  # not UTF-8
+        with_fields(59, id=b"../../etc"),  # not a donor id
         with_fields(60, embedder=b"\xc3"),
         {k: v for k, v in with_fields(61).items() if k != b"seg_rows"},  # half an embedding
         {b"v": FORMAT, b"\x00garbage": b"\xff" * 64},
@@ -328,7 +337,7 @@ def test_kv_digest_is_of_the_rows_as_stored():
     changed[1, 4, 1, 7] += 1e-3
     assert kv_digest(changed) != kv_digest(rows)
     assert kv_digest(rows[:, :4]) != kv_digest(rows)
-    assert kv_digest(rows.reshape(2, 5, 1, 16)) != kv_digest(rows)       # shape is part of it
+    assert kv_digest(rows.reshape(2, 5, 1, 16)) != kv_digest(rows)  # shape is part of it
 
 
 def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
@@ -367,13 +376,21 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
         def get(self, key, tokens):
             return self.fetched
 
-    expected = ["0" * 64, kv_digest(rows)]        # this worker is rank 1
+    expected = ["0" * 64, kv_digest(rows)]  # this worker is rank 1
 
     def fetch(fetched, digests):
         tier, host = Tier(LMCache(fetched), StatsRecorder(), rank=1), Store()
         tier.digests = {DonorKey("", did(1)): kv_digest(rows)}
-        spec = LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0], donor_token_ids=list(range(40)),
-                        donor_kv_digests=digests)
+        spec = LoadSpec(
+            "r",
+            DonorKey("", did(1)),
+            0,
+            0,
+            32,
+            [0],
+            donor_token_ids=list(range(40)),
+            donor_kv_digests=digests,
+        )
         try:
             return tier.fetch(spec, host), tier, host
         except DonorUnavailable:
@@ -381,11 +398,13 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
 
     blocks, tier, host = fetch(rows, expected)
     assert blocks == [3, 4] and tier.stats.totals["tier_fetches"] == 1
-    for fetched, digests in [(tampered, expected),            # other KV under the donor's keys
-                             (rows, expected[::-1]),          # another rank's digest
-                             (rows, expected[:1])]:           # no digest for this rank
+    for fetched, digests in [
+        (tampered, expected),  # other KV under the donor's keys
+        (rows, expected[::-1]),  # another rank's digest
+        (rows, expected[:1]),
+    ]:  # no digest for this rank
         blocks, tier, host = fetch(fetched, digests)
-        assert blocks is None and host.held is None           # never enters the host store
+        assert blocks is None and host.held is None  # never enters the host store
         assert tier.stats.totals["tier_digest_mismatches"] == 1
         assert tier.stats.totals["tier_fetches"] == 0
     # this instance's own donor, fetched back: checked against the digest this rank recorded
@@ -394,11 +413,13 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     blocks, tier, host = fetch(tampered, None)
     assert blocks is None and tier.stats.totals["tier_digest_mismatches"] == 1
     blocks, tier, host = fetch(rows, None)
-    tier.digests.clear()                             # nothing recorded: not used either
+    tier.digests.clear()  # nothing recorded: not used either
     assert blocks == [3, 4]
     try:
-        tier.fetch(LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0],
-                            donor_token_ids=list(range(40))), Store())
+        tier.fetch(
+            LoadSpec("r", DonorKey("", did(1)), 0, 0, 32, [0], donor_token_ids=list(range(40))),
+            Store(),
+        )
         raise AssertionError("a donor with no digest to compare with was used")
     except DonorUnavailable:
         pass

@@ -13,7 +13,8 @@ def test_the_committed_page_is_the_generated_one():
     committed = config_docs.DOCS_PATH.read_text(encoding="utf-8")
     assert committed == config_docs.render(), (
         "docs/configuration.md is out of date with src/semshare_vllm/config/: run "
-        "`python -m semshare_vllm.config_docs` and commit the result")
+        "`python -m semshare_vllm.config_docs` and commit the result"
+    )
 
 
 def test_every_field_is_in_exactly_one_section_in_the_dataclass_order():

@@ -33,7 +33,7 @@ class BagOfTokens:
 
     def embed(self, text):
         self.gate.wait(30)
-        if len(text.split()) > 1000:   # a long donor: half a second
+        if len(text.split()) > 1000:  # a long donor: half a second
             time.sleep(0.5)
         self.calls += 1
         v = np.bincount([int(t) % VOCAB for t in text.split()], minlength=VOCAB).astype(np.float32)
@@ -43,13 +43,17 @@ class BagOfTokens:
 
 def scheduler(embedder=None, **cfg):
     embedder = embedder or BagOfTokens()
-    service = DiscoveryService(lambda: embedder, lambda ids: " ".join(map(str, ids)),
-                               VectorIndex(dim=VOCAB, kind="exact"), top_k=3,
-                               threshold=cfg.pop("similarity_threshold", 0.6),
-                               embedder_id="bag-v1",
-                               min_shared_grams=cfg.pop("min_shared_grams", 0.0),
-                               # the embedding path, unless a test is about shared grams
-                               gram_match_share=cfg.pop("gram_match_share", 2.0))
+    service = DiscoveryService(
+        lambda: embedder,
+        lambda ids: " ".join(map(str, ids)),
+        VectorIndex(dim=VOCAB, kind="exact"),
+        top_k=3,
+        threshold=cfg.pop("similarity_threshold", 0.6),
+        embedder_id="bag-v1",
+        min_shared_grams=cfg.pop("min_shared_grams", 0.0),
+        # the embedding path, unless a test is about shared grams
+        gram_match_share=cfg.pop("gram_match_share", 2.0),
+    )
     config = SemShareConfig(**{"lookup_deadline_ms": 5000, **cfg})
     s = SemShareScheduler(config, geometry(), service)
     return s, embedder
@@ -57,7 +61,7 @@ def scheduler(embedder=None, **cfg):
 
 def settle(s):
     assert s.discovery.wait_idle()
-    s.build_connector_meta(None)   # the scheduler thread attaches finished embeddings
+    s.build_connector_meta(None)  # the scheduler thread attaches finished embeddings
 
 
 def ask(s, req, timeout_s=10):
@@ -77,17 +81,17 @@ DOC = list(range(100, 300))
 
 def test_a_reworded_prompt_finds_its_donor_off_thread():
     s, emb = scheduler()
-    finish(s, DOC)                                   # a donor: doc behind instruction 1
+    finish(s, DOC)  # a donor: doc behind instruction 1
     settle(s)
     assert s.stats.totals["donors_embedded"] == 1
-    emb.gate.clear()                                 # the search cannot finish yet
+    emb.gate.clear()  # the search cannot finish yet
     target = request("t", [7, 8, 9] * 5 + DOC[:190])  # another instruction, no common prefix
     s.on_new_request(target)
     assert s.get_num_new_matched_tokens(target, 0) == (None, False)  # vLLM will ask again
     assert s.get_num_new_matched_tokens(target, 0) == (None, False)
     emb.gate.set()
     answers = ask(s, target)
-    assert answers[-1] == (0, False)                 # found, but nothing claimed yet
+    assert answers[-1] == (0, False)  # found, but nothing claimed yet
     match = found(s, "t")
     assert match.candidates[0].score > 0.75 and match.candidates[0].method == "cosine"
     assert match.candidates[0].key in s.index
@@ -108,7 +112,7 @@ def test_past_the_deadline_the_request_goes_on():
     assert answers[0] == (None, False) and answers[-1] == (0, False)
     assert 0.04 <= time.monotonic() - t0 < 2
     assert s.stats.totals["lookup_timeouts"] == 1 and found(s, "t") is None
-    assert 30 <= s.stats.totals["lookup_wait_ms"] <= 60   # held back until the deadline only
+    assert 30 <= s.stats.totals["lookup_wait_ms"] <= 60  # held back until the deadline only
     emb.gate.set()
 
 
@@ -117,15 +121,15 @@ def test_no_wait_when_the_namespace_is_empty_or_the_prefix_covers_it():
     finish(s, DOC, salt="a")
     settle(s)
     other = request("b", DOC, salt="b")
-    s.on_new_request(other)                    # tenant b has no donors: no search at all
+    s.on_new_request(other)  # tenant b has no donors: no search at all
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
     assert s.stats.totals["semantic_lookups"] == 0
     emb.gate.clear()
-    same = request("a", DOC[:161], salt="a")   # the exact prefix already covers what can be
+    same = request("a", DOC[:161], salt="a")  # the exact prefix already covers what can be
     s.on_new_request(same)
     assert s.get_num_new_matched_tokens(same, 0) == (160, False)
-    assert s.stats.totals["semantic_lookups"] == 0     # no search started for it
-    longer = request("a2", DOC + [5] * 40, salt="a")    # it covers only part of this one
+    assert s.stats.totals["semantic_lookups"] == 0  # no search started for it
+    longer = request("a2", DOC + [5] * 40, salt="a")  # it covers only part of this one
     s.on_new_request(longer)
     assert s.get_num_new_matched_tokens(longer, 0) == (None, False)
     # vLLM's own prefix cache holds all the rest: stop waiting, drop the search
@@ -139,7 +143,7 @@ def test_namespaces_never_mix_in_search():
     finish(s, DOC, salt="a")
     finish(s, list(range(300, 500)), salt="b")
     settle(s)
-    target = request("t", [5] * 10 + DOC, salt="b")   # a's document, asked by b
+    target = request("t", [5] * 10 + DOC, salt="b")  # a's document, asked by b
     s.on_new_request(target)
     ask(s, target)
     assert found(s, "t") is None and s.stats.totals["semantic_misses"] == 1
@@ -167,7 +171,7 @@ def test_near_duplicates_need_no_embedding():
     finish(s, DOC)
     settle(s)
     calls = emb.calls
-    target = request("t", DOC[:100] + [1, 2] + DOC[102:])   # two tokens changed
+    target = request("t", DOC[:100] + [1, 2] + DOC[102:])  # two tokens changed
     s.on_new_request(target)
     ask(s, target)
     assert found(s, "t").candidates[0].method == "simhash" and emb.calls == calls
@@ -178,19 +182,19 @@ def test_shared_grams_decide_without_embedding():
     finish(s, DOC)
     settle(s)
     calls = emb.calls
-    emb.gate.clear()                    # an embedding would block: the answer must not need one
+    emb.gate.clear()  # an embedding would block: the answer must not need one
     unrelated = request("u", list(range(1000, 1200)))
     s.on_new_request(unrelated)
     assert ask(s, unrelated, timeout_s=2)[-1] == (0, False)
     assert emb.calls == calls and found(s, "u") is None
     assert s.stats.totals["lookups_without_shared_grams"] == 1
-    target = request("t", [7, 8, 9] * 5 + DOC[:190])   # holds most of the donor's grams
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])  # holds most of the donor's grams
     s.on_new_request(target)
     ask(s, target, timeout_s=2)
     assert emb.calls == calls and found(s, "t").candidates[0].method == "grams"
     assert found(s, "t").candidates[0].score > 0.9
     emb.gate.set()
-    reordered = request("r", DOC[:190][::-1])   # same bag of tokens, no 4-gram in common
+    reordered = request("r", DOC[:190][::-1])  # same bag of tokens, no 4-gram in common
     s.on_new_request(reordered)
     ask(s, reordered)
     assert found(s, "r") is None and emb.calls == calls  # below the share: a miss, unembedded
@@ -206,19 +210,26 @@ def test_embeddings_come_back_from_the_snapshot(tmp_path):
     root = tmp_path / "fp"
     tokens = DOC[:128]
     donor_id = donor_id_for("", tokens)
-    donor_file.write(donor_file.donor_path(root, donor_id, 0, 1), "", donor_id, tokens,
-                     ["l0", "l1"], "L", torch.zeros(2, 4, 32, 2, 8))
+    donor_file.write(
+        donor_file.donor_path(root, donor_id, 0, 1),
+        "",
+        donor_id,
+        tokens,
+        ["l0", "l1"],
+        "L",
+        torch.zeros(2, 4, 32, 2, 8),
+    )
     s, emb = scheduler(persist_dir=str(tmp_path))
-    settle(s)                                   # restored donor embedded again (no snapshot)
+    settle(s)  # restored donor embedded again (no snapshot)
     assert emb.calls == 1 and s.discovery.index.size("") == 1
     s.index.records()[0].hits = 3
     s.catalog.changed = True
-    s.shutdown()                                # writes the snapshot
+    s.shutdown()  # writes the snapshot
     assert (root / "discovery.v1.npz").is_file()
 
     again, emb2 = scheduler(persist_dir=str(tmp_path))
     settle(again)
-    assert emb2.calls == 0                      # from the snapshot, not re-embedded
+    assert emb2.calls == 0  # from the snapshot, not re-embedded
     assert again.discovery.index.size("") == 1 and again.index.records()[0].hits == 3
     again.shutdown()
 
@@ -227,8 +238,9 @@ def test_an_embedder_that_cannot_load_turns_discovery_off():
     def broken():
         raise RuntimeError("no model here")
 
-    service = DiscoveryService(broken, str, VectorIndex(dim=VOCAB), top_k=3, threshold=0.6,
-                               embedder_id="x")
+    service = DiscoveryService(
+        broken, str, VectorIndex(dim=VOCAB), top_k=3, threshold=0.6, embedder_id="x"
+    )
     s = SemShareScheduler(SemShareConfig(), geometry(), service)
     finish(s, DOC)
     settle(s)
@@ -242,13 +254,13 @@ def test_a_lookup_does_not_wait_behind_a_long_donor():
     s, _ = scheduler()
     finish(s, DOC)
     settle(s)
-    finish(s, list(range(1000, 3000)))           # a long donor: 0.5 s to embed
-    time.sleep(0.02)                             # its embedding has started
+    finish(s, list(range(1000, 3000)))  # a long donor: 0.5 s to embed
+    time.sleep(0.02)  # its embedding has started
     target = request("t", [7] * 5 + DOC)
     s.on_new_request(target)
     t0 = time.monotonic()
     ask(s, target)
-    assert time.monotonic() - t0 < 0.3           # on its own thread, beside the long donor
+    assert time.monotonic() - t0 < 0.3  # on its own thread, beside the long donor
     assert found(s, "t") is not None
     settle(s)
     assert s.stats.totals["donors_embedded"] == 2
@@ -277,12 +289,19 @@ def test_failed_jobs_count_as_discovery_faults_in_the_recorder_handed_in():
             raise RuntimeError("embedder fault")
 
     stats = StatsRecorder()
-    service = DiscoveryService(Broken, lambda ids: " ".join(map(str, ids)),
-                               VectorIndex(dim=VOCAB, kind="exact"), top_k=3, threshold=0.6,
-                               embedder_id="bag-v1", gram_match_share=2.0, stats=stats)
+    service = DiscoveryService(
+        Broken,
+        lambda ids: " ".join(map(str, ids)),
+        VectorIndex(dim=VOCAB, kind="exact"),
+        top_k=3,
+        threshold=0.6,
+        embedder_id="bag-v1",
+        gram_match_share=2.0,
+        stats=stats,
+    )
     try:
-        service.register("donor", 1, DOC)                          # its embedding fails
-        failed = service.lookup("", DOC)                           # so does the search's
+        service.register("donor", 1, DOC)  # its embedding fails
+        failed = service.lookup("", DOC)  # so does the search's
         assert service.run(lambda: 1 / 0).exception(10) is not None
         assert failed.exception(10) is not None
         assert service.wait_idle()

@@ -30,8 +30,9 @@ def embedder():
 @pytest.fixture(scope="module")
 def result(embedder):
     pairs, negatives = P.build(N, levels=LEVELS, seed=0)
-    return evaluate(embedder, pairs, negatives, SemShareConfig().similarity_threshold,
-                    smollm2_tokenizer())
+    return evaluate(
+        embedder, pairs, negatives, SemShareConfig().similarity_threshold, smollm2_tokenizer()
+    )
 
 
 def test_pairs_are_deterministic_and_share_no_source_text():

@@ -17,8 +17,12 @@ def st():
     return make_embedder("sentence-transformers", device="cpu")
 
 
-TEXTS = [wiki_document(11, 300), wiki_document(40, 2500), wiki_document(90, 9000),
-         *lee_documents()[:3]]
+TEXTS = [
+    wiki_document(11, 300),
+    wiki_document(40, 2500),
+    wiki_document(90, 9000),
+    *lee_documents()[:3],
+]
 
 
 def test_runners_agree(onnx, st):
@@ -32,14 +36,14 @@ def test_windows_cover_the_whole_prompt(onnx):
     ids = np.asarray(onnx.tokenizer.encode(TEXTS[2], add_special_tokens=False).ids)
     windows = onnx._windows(ids)
     body = onnx.window - 2
-    assert len(ids) > 4 * body                      # long enough to need many windows
+    assert len(ids) > 4 * body  # long enough to need many windows
     covered = np.zeros(len(ids), dtype=bool)
     start = 0
     for w in windows:
         assert len(w) <= onnx.window and w[0] == onnx.cls_id and w[-1] == onnx.sep_id
         inner = w[1:-1]
-        assert np.array_equal(inner, ids[start:start + len(inner)])
-        covered[start:start + len(inner)] = True
+        assert np.array_equal(inner, ids[start : start + len(inner)])
+        covered[start : start + len(inner)] = True
         start += body - onnx.overlap
     assert covered.all()
     emb = onnx.embed(TEXTS[2])
@@ -71,5 +75,5 @@ def test_onnx_export_is_cached(onnx):
     path = onnx_export(onnx.model_dir)
     before = path.stat().st_mtime_ns
     again = OnnxEmbedder(onnx.model_dir, device="cpu")
-    assert path.stat().st_mtime_ns == before      # exported once, reused
+    assert path.stat().st_mtime_ns == before  # exported once, reused
     assert float(again.embed(TEXTS[0]).vector @ onnx.embed(TEXTS[0]).vector) > 0.99999

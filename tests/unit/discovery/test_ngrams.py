@@ -32,8 +32,9 @@ def test_samples_are_content_defined_and_shares_separate_real_text():
     table.add("doc", g)
     unrelated = best_share(table, sample_grams(tok(other)["input_ids"]))
     words = (doc + " " + other).split()
-    half = best_share(table, sample_grams(tok(P.reword_document(doc, 0.5, random.Random(0),
-                                                                words))["input_ids"]))
+    half = best_share(
+        table, sample_grams(tok(P.reword_document(doc, 0.5, random.Random(0), words))["input_ids"])
+    )
     assert unrelated < 0.02 < 0.05 < half
     assert sample_grams([1, 2, 3]).size == 0
 
@@ -48,9 +49,9 @@ def test_best_share_over_sorted_and_recent_donors_with_removals(monkeypatch):
     assert len(table) == 10
     query = np.unique(np.concatenate([donors[2][:150], donors[7][:50]]))
     assert table.top(query, 1) == [(2, 150 / len(query))]
-    table.remove(2)                     # merged rows of a removed donor no longer count
+    table.remove(2)  # merged rows of a removed donor no longer count
     assert table.top(query, 1) == [(7, 50 / len(query))]
-    table.add(11, donors[2][:100])      # a recent donor counts before any merge
+    table.add(11, donors[2][:100])  # a recent donor counts before any merge
     assert table.top(query, 1) == [(11, 100 / len(query))]
     assert [k for k, _ in table.top(query, 2)] == [11, 7]
     assert table.top(np.zeros(0, dtype=np.uint64), 1) == []
@@ -62,10 +63,12 @@ def test_vector_index_keeps_grams_per_namespace():
     assert index.shared_grams("a", g, 3) is None
     index.add("a", "k", np.ones(4) / 2, 0, grams=g)
     index.add("a", "half", np.ones(4) / 2, 0, grams=g[::2])
-    index.add("b", "j", np.ones(4) / 2, 0)          # a donor that gave no grams
+    index.add("b", "j", np.ones(4) / 2, 0)  # a donor that gave no grams
     found = index.shared_grams("a", g, 3)
-    assert [(c.key, c.score, c.method) for c in found] == [("k", 1.0, "grams"),
-                                                            ("half", 0.5, "grams")]
+    assert [(c.key, c.score, c.method) for c in found] == [
+        ("k", 1.0, "grams"),
+        ("half", 0.5, "grams"),
+    ]
     assert index.shared_grams("a", g, 1)[0].key == "k"
     assert index.shared_grams("b", g, 3) is None
     index.remove("a", "k")

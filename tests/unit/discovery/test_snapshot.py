@@ -24,8 +24,11 @@ def test_round_trip(tmp_path):
         assert np.array_equal(got.embedding.segments, e.embedding.segments)
         assert got.fingerprint == e.fingerprint
         assert got.embedding.num_tokens == e.embedding.num_tokens
-        assert (got.hits, got.deviation_reports, got.demoted) == (e.hits, e.deviation_reports,
-                                                                  e.demoted)
+        assert (got.hits, got.deviation_reports, got.demoted) == (
+            e.hits,
+            e.deviation_reports,
+            e.demoted,
+        )
         assert got.deviation == e.deviation and got.idle_s == e.idle_s
 
 
@@ -57,16 +60,17 @@ def test_kill_9_during_writes_leaves_a_whole_snapshot(tmp_path):
     rng = np.random.default_rng(0)
     for round_ in range(6):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline()          # at least one snapshot finished
+        assert proc.stdout.readline()  # at least one snapshot finished
         time.sleep(float(rng.uniform(0.05, 0.6)))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         loaded = load_snapshot(tmp_path, "emb-1")
         n = len(loaded)
         assert n >= 1, f"round {round_}: no snapshot survived"
-        expected = entries(n)                   # exactly one complete version, never a mix
+        expected = entries(n)  # exactly one complete version, never a mix
         assert set(loaded) == {(e.namespace, e.donor_id) for e in expected}
         for e in expected:
-            assert np.array_equal(loaded[(e.namespace, e.donor_id)].embedding.segments,
-                                  e.embedding.segments)
-        assert not list(tmp_path.glob(".discovery.*"))   # strays cleaned at load
+            assert np.array_equal(
+                loaded[(e.namespace, e.donor_id)].embedding.segments, e.embedding.segments
+            )
+        assert not list(tmp_path.glob(".discovery.*"))  # strays cleaned at load

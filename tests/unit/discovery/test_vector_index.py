@@ -25,16 +25,21 @@ def filled(kind, vectors, **kw):
 def test_exact_and_faiss_return_the_same_results():
     vectors = unit(3000)
     queries = vectors[1:60] + 0.05 * unit(59, seed=1)
-    kinds = {"exact": {}, "faiss-flat": {},
-             # every list probed: the IVF table must then equal exact search
-             "faiss-ivf": {"nprobe": 4096},
-             "auto": {"exact_max": 1000, "nprobe": 4096}}
+    kinds = {
+        "exact": {},
+        "faiss-flat": {},
+        # every list probed: the IVF table must then equal exact search
+        "faiss-ivf": {"nprobe": 4096},
+        "auto": {"exact_max": 1000, "nprobe": 4096},
+    }
     indexes = {k: filled(k, vectors, **kw) for k, kw in kinds.items()}
     assert indexes["faiss-ivf"]._tables["ns"].faiss is not None
-    assert indexes["auto"]._tables["ns"].faiss is not None       # grew past exact_max
+    assert indexes["auto"]._tables["ns"].faiss is not None  # grew past exact_max
     for q in queries:
-        results = {k: [(c.key, round(c.score, 5)) for c in ix.search("ns", q, 5)]
-                   for k, ix in indexes.items()}
+        results = {
+            k: [(c.key, round(c.score, 5)) for c in ix.search("ns", q, 5)]
+            for k, ix in indexes.items()
+        }
         assert len(set(map(tuple, results.values()))) == 1, results
         assert results["exact"][0][0] != ("donor", 0)
 
@@ -56,7 +61,7 @@ def test_namespaces_are_hard_walls(kind):
     index.add("tenant-a", "a", v[0], 1)
     index.add("", "anon", v[1], 2)
     assert [c.key for c in index.search("tenant-a", v[1], 5)] == ["a"]
-    assert [c.key for c in index.search("", v[0], 5)] == ["anon"]    # "" is not "all"
+    assert [c.key for c in index.search("", v[0], 5)] == ["anon"]  # "" is not "all"
     assert index.search("tenant-b", v[0], 5) == []
     assert index.near_duplicates("tenant-b", 1, 64) == []
     assert index.remove("tenant-a", "a") and index.size("tenant-a") == 0
@@ -76,7 +81,7 @@ def test_simhash_near_duplicates():
     rng = np.random.default_rng(0)
     doc = rng.integers(0, 49152, 1500)
     edited = doc.copy()
-    edited[700:705] = 11                       # a few tokens changed
+    edited[700:705] = 11  # a few tokens changed
     other = rng.integers(0, 49152, 1500)
     assert hamming(simhash(doc), simhash(edited)) <= 6
     assert hamming(simhash(doc), simhash(other)) > 12

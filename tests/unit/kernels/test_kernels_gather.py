@@ -25,13 +25,15 @@ def make_table(style):
     half = rotary_dim // 2
     inv_freq = 1.0 / 10000 ** (torch.arange(half, dtype=torch.float) / half)
     angles = torch.arange(MAX_POS, dtype=torch.float)[:, None] * inv_freq
-    return RopeTable(torch.cat((angles.cos(), angles.sin()), dim=1), D, rotary_dim,
-                     is_neox=style == "neox")
+    return RopeTable(
+        torch.cat((angles.cos(), angles.sin()), dim=1), D, rotary_dim, is_neox=style == "neox"
+    )
 
 
 def layer_tensors(arrangement, dtype, token_major=False):
     """Per-layer ``[B, H, N, 2D]`` tensors: views of one buffer (what vLLM allocates), separate
     allocations, or one buffer at irregular offsets (no uniform stack)."""
+
     def one(storage):
         if token_major:  # physical [B, N, H, 2D], logical [B, H, N, 2D]
             return storage.view(B, N, H, 2 * D).permute(0, 2, 1, 3)
@@ -40,12 +42,12 @@ def layer_tensors(arrangement, dtype, token_major=False):
     size = B * H * N * 2 * D
     if arrangement == "uniform":
         flat = torch.zeros(L * size, dtype=dtype)
-        return [one(flat[i * size:(i + 1) * size]) for i in range(L)]
+        return [one(flat[i * size : (i + 1) * size]) for i in range(L)]
     if arrangement == "separate":
         return [one(torch.zeros(size, dtype=dtype)) for _ in range(L)]
     flat = torch.zeros(L * size + 7 * L, dtype=dtype)
     starts = [0, size + 3, 2 * size + 7 * L - 1][:L]
-    return [one(flat[s:s + size]) for s in starts]
+    return [one(flat[s : s + size]) for s in starts]
 
 
 def orders(kind):
@@ -53,8 +55,10 @@ def orders(kind):
     if kind == "cpu_token_major":
         return n * D + d, n * D + d
     g = torch.Generator().manual_seed(11)
-    return (torch.randperm(N * D, generator=g).view(N, D),
-            torch.randperm(N * D, generator=g).view(N, D))
+    return (
+        torch.randperm(N * D, generator=g).view(N, D),
+        torch.randperm(N * D, generator=g).view(N, D),
+    )
 
 
 def spec_of(kind):
@@ -95,13 +99,16 @@ def slow_move(src, rows, slots, caches, spec, table, src_pos, dst_pos):
             kv = src[layer, rows[m]][None]  # [1, H, 2D]
             k = kv[..., :D].float()
             if table is not None:
-                k = rope_correct_reference(k, src_pos[m:m + 1], dst_pos[m:m + 1], table)
-            spec.write(cache, slots[m:m + 1], k, kv[..., D:])
+                k = rope_correct_reference(k, src_pos[m : m + 1], dst_pos[m : m + 1], table)
+            spec.write(cache, slots[m : m + 1], k, kv[..., D:])
 
 
 KINDS = ["packed", "packed_token_major", "cpu_vec", "cpu_token_major", "cpu_permuted"]
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-          (torch.float32, torch.bfloat16)]
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,10 +175,10 @@ def test_dispatcher_torch_path_and_edge_cases():
     gather_rearrange(src, empty, empty, got, offsets, table, empty, empty, impl="torch")
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     with pytest.raises(ValueError):  # a cache of another shape than the offsets'
-        gather_rearrange_reference(src, rows, slots, [torch.zeros(B + 1, H, N, 2 * D)] * L,
-                                   offsets)
+        gather_rearrange_reference(src, rows, slots, [torch.zeros(B + 1, H, N, 2 * D)] * L, offsets)
     with pytest.raises(ValueError):  # RoPE without positions
         gather_rearrange_reference(src, rows, slots, got, offsets, table)
     with pytest.raises(UnsupportedKVLayout):  # CPU pages must be contiguous
         CpuAttnSpec("CPU_ATTN", D, positions=orders("x")).offsets(
-            torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3))
+            torch.zeros(B, N, H, 2 * D).permute(0, 2, 1, 3)
+        )

@@ -24,14 +24,28 @@ ROPES = {
     "ntk": (True, {"rope_type": "ntk", "factor": 2.0}),
     "dynamic": (True, {"rope_type": "dynamic", "factor": 2.0}),
     "dynamic_alpha": (True, {"rope_type": "dynamic", "alpha": 2.0}),
-    "llama3": (True, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
-                      "rope_theta": 500000.0}),
-    "yarn": (True, {"rope_type": "yarn", "factor": 4.0,
-                    "original_max_position_embeddings": 512}),
-    "deepseek_yarn": (False, {"rope_type": "deepseek_yarn", "factor": 4.0,
-                              "original_max_position_embeddings": 512, "mscale": 1.0,
-                              "mscale_all_dim": 0.0}),
+    "llama3": (
+        True,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "yarn": (True, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+    "deepseek_yarn": (
+        False,
+        {
+            "rope_type": "deepseek_yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        },
+    ),
 }
 
 
@@ -48,8 +62,7 @@ def make_rope(name, dtype, head=HEAD, **extra):
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     neox, params = ROPES[name]
-    return get_rope(head, MAX_POS, is_neox_style=neox, rope_parameters=params, dtype=dtype,
-                    **extra)
+    return get_rope(head, MAX_POS, is_neox_style=neox, rope_parameters=params, dtype=dtype, **extra)
 
 
 def rotated_keys(rope, k0, pos):
@@ -60,8 +73,10 @@ def rotated_keys(rope, k0, pos):
 
 def positions(table, count, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, table.max_position, (count,), generator=g),
-            torch.randint(0, table.max_position, (count,), generator=g))
+    return (
+        torch.randint(0, table.max_position, (count,), generator=g),
+        torch.randint(0, table.max_position, (count,), generator=g),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ROPES))
@@ -78,7 +93,7 @@ def test_correction_matches_module_at_target(vllm_config, name, dtype):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     else:  # the module itself rotates in bf16 with a bf16 table: each product is rounded at
         # the scale of the key, so allow one bf16 step (2^-7 relative) of the largest entry.
-        step = 2 ** -7 * want.abs().max().item()
+        step = 2**-7 * want.abs().max().item()
         torch.testing.assert_close(out, want, rtol=1.6e-2, atol=step)
 
 
@@ -115,7 +130,7 @@ def test_partial_rotary_passes_tail_dims_through(vllm_config):
     k = torch.randn(20, 2, HEAD)
     src, dst = positions(table, 20, seed=4)
     out = rope_correct_reference(k, src, dst, table)
-    assert torch.equal(out[..., table.rotary_dim:], k[..., table.rotary_dim:])
+    assert torch.equal(out[..., table.rotary_dim :], k[..., table.rotary_dim :])
 
 
 def test_value_is_never_rotated(vllm_config):
@@ -130,9 +145,16 @@ def test_value_is_never_rotated(vllm_config):
     staged = torch.cat((rotated_keys(rope, k0, src_pos), v), dim=-1)[None]  # [1, T, H, 2D]
     cache = torch.zeros(4, 2, 8, 2 * HEAD)
     slots = torch.randperm(32)[:24]
-    gather_rearrange_reference(staged, torch.arange(24), slots, [cache],
-                               page_spec("FLASH_ATTN", HEAD).offsets(cache), table, src_pos,
-                               dst_pos)
+    gather_rearrange_reference(
+        staged,
+        torch.arange(24),
+        slots,
+        [cache],
+        page_spec("FLASH_ATTN", HEAD).offsets(cache),
+        table,
+        src_pos,
+        dst_pos,
+    )
     k_out = cache[slots // 8, :, slots % 8, :HEAD]
     v_out = cache[slots // 8, :, slots % 8, HEAD:]
     assert torch.equal(v_out, v)
@@ -157,13 +179,17 @@ def test_unsupported_rotary_modules_are_refused(vllm_config):
         get_rope,
     )
 
-    mrope = get_rope(128, MAX_POS, rope_parameters={"rope_type": "default",
-                                                    "mrope_section": [16, 24, 24]},
-                     dtype=torch.float32)
+    mrope = get_rope(
+        128,
+        MAX_POS,
+        rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]},
+        dtype=torch.float32,
+    )
     assert type(mrope).__name__ == "MRotaryEmbedding"
     with pytest.raises(UnsupportedRope):
         RopeTable.from_vllm(mrope)
-    multi_lora = LinearScalingRotaryEmbedding(HEAD, HEAD, 256, 10000, True, [1.0, 2.0],
-                                              torch.float32)
+    multi_lora = LinearScalingRotaryEmbedding(
+        HEAD, HEAD, 256, 10000, True, [1.0, 2.0], torch.float32
+    )
     with pytest.raises(UnsupportedRope):
         RopeTable.from_vllm(multi_lora)

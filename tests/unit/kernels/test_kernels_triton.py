@@ -23,9 +23,12 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
     def test_triton_kernels_under_interpreter():
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__],
-                              env={**os.environ, "TRITON_INTERPRET": "1"},
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", __file__],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
 
 else:
@@ -47,9 +50,11 @@ else:
 
     def steps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
         """Largest distance between a and b in representable values of their 16-bit dtype."""
+
         def ordered(x):
             bits = x.view(torch.int16).int()
             return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
         return int((ordered(a) - ordered(b)).abs().max())
 
     def assert_matches(got: torch.Tensor, want: torch.Tensor):
@@ -89,7 +94,7 @@ else:
         size = B * H * N * 2 * head
         if arrangement == "uniform":
             flat = torch.zeros(L * size, dtype=dtype, device=DEVICE)
-            storages = [flat[i * size:(i + 1) * size] for i in range(L)]
+            storages = [flat[i * size : (i + 1) * size] for i in range(L)]
         else:
             storages = [torch.zeros(size, dtype=dtype, device=DEVICE) for _ in range(L)]
         if kind == "packed_token_major":
@@ -108,23 +113,37 @@ else:
 
     # cpu_vec pages are calibrated with vLLM's CPU ops: not on a GPU machine (cpu_permuted
     # exercises the same table offsets there).
-    KINDS = [("packed", "uniform"), ("packed_token_major", "separate"),
-             ("cpu_permuted", "separate")] + ([] if ON_CUDA else [("cpu_vec", "uniform")])
+    KINDS = [
+        ("packed", "uniform"),
+        ("packed_token_major", "separate"),
+        ("cpu_permuted", "separate"),
+    ] + ([] if ON_CUDA else [("cpu_vec", "uniform")])
 
     @pytest.mark.parametrize("kind, arrangement", KINDS)
-    @pytest.mark.parametrize("src_dtype, cache_dtype", [
-        (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
-    @pytest.mark.parametrize("rope", [None, "neox", "partial", "partial_gptj", "yarn",
-                                      "neox_head80"])
-    def test_gather_kernel_matches_reference(tables, monkeypatch, kind, arrangement, src_dtype,
-                                             cache_dtype, rope):
+    @pytest.mark.parametrize(
+        "src_dtype, cache_dtype",
+        [
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float32, torch.bfloat16),
+            (torch.float16, torch.float16),
+        ],
+    )
+    @pytest.mark.parametrize(
+        "rope", [None, "neox", "partial", "partial_gptj", "yarn", "neox_head80"]
+    )
+    def test_gather_kernel_matches_reference(
+        tables, monkeypatch, kind, arrangement, src_dtype, cache_dtype, rope
+    ):
         table = tables[rope] if rope else None
         head = table.head_size if table else 64
         launches = []
         stack = triton_gather.stack_layers
-        monkeypatch.setattr(triton_gather, "stack_layers",
-                            lambda caches: launches.append(stack(caches)) or launches[-1])
+        monkeypatch.setattr(
+            triton_gather,
+            "stack_layers",
+            lambda caches: launches.append(stack(caches)) or launches[-1],
+        )
         g = torch.Generator().manual_seed(3)
         src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(DEVICE, src_dtype).transpose(0, 1)
         rows = torch.randint(0, T_SRC, (M,), generator=g)
@@ -135,8 +154,7 @@ else:
         want, offsets = caches_for(kind, arrangement, cache_dtype, head)
         got, _ = caches_for(kind, arrangement, cache_dtype, head)
         gather_rearrange_reference(src, rows, slots, want, offsets, table, src_pos, dst_pos)
-        gather_rearrange(src, rows, slots, got, offsets, table, src_pos, dst_pos,
-                         impl="triton")
+        gather_rearrange(src, rows, slots, got, offsets, table, src_pos, dst_pos, impl="triton")
         for w, g_ in zip(want, got):
             assert_matches(g_, w)
         assert any(bool(w.abs().sum() > 0) for w in want)

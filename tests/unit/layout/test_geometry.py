@@ -23,26 +23,45 @@ def model_dir(tmp_path):
     return d
 
 
-def vllm_config(model, *, quantization=None, hf_overrides=None, rope_scaling=None,
-                rope_theta=10000.0, cache_dtype="auto", calculate_kv_scales=False,
-                revision=None, download_dir=None):
-    hf_config = SimpleNamespace(rope_scaling=rope_scaling, rope_theta=rope_theta,
-                                max_position_embeddings=4096)
+def vllm_config(
+    model,
+    *,
+    quantization=None,
+    hf_overrides=None,
+    rope_scaling=None,
+    rope_theta=10000.0,
+    cache_dtype="auto",
+    calculate_kv_scales=False,
+    revision=None,
+    download_dir=None,
+):
+    hf_config = SimpleNamespace(
+        rope_scaling=rope_scaling, rope_theta=rope_theta, max_position_embeddings=4096
+    )
     return SimpleNamespace(
-        model_config=SimpleNamespace(model=str(model), revision=revision,
-                                     quantization=quantization, hf_overrides=hf_overrides or {},
-                                     hf_config=hf_config, hf_text_config=hf_config,
-                                     dtype=torch.float16, tokenizer=str(model)),
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=16,
-                                     calculate_kv_scales=calculate_kv_scales),
+        model_config=SimpleNamespace(
+            model=str(model),
+            revision=revision,
+            quantization=quantization,
+            hf_overrides=hf_overrides or {},
+            hf_config=hf_config,
+            hf_text_config=hf_config,
+            dtype=torch.float16,
+            tokenizer=str(model),
+        ),
+        cache_config=SimpleNamespace(
+            cache_dtype=cache_dtype, block_size=16, calculate_kv_scales=calculate_kv_scales
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        load_config=SimpleNamespace(download_dir=download_dir))
+        load_config=SimpleNamespace(download_dir=download_dir),
+    )
 
 
 def kv_cache_config(dtype=torch.float16):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=dtype)
-    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
-                                                            layer_names=list(LAYERS))])
+    return SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=list(LAYERS))]
+    )
 
 
 def fp(model, **kw):
@@ -53,8 +72,9 @@ def fp(model, **kw):
 
 def test_same_inputs_same_fingerprint(model_dir):
     assert fp(model_dir) == fp(model_dir)
-    assert fp(model_dir, rope_scaling={"rope_type": "yarn", "factor": 2.0}) == \
-        fp(model_dir, rope_scaling={"factor": 2.0, "rope_type": "yarn"})
+    assert fp(model_dir, rope_scaling={"rope_type": "yarn", "factor": 2.0}) == fp(
+        model_dir, rope_scaling={"factor": 2.0, "rope_type": "yarn"}
+    )
     # a callable override is named, not printed with its address
     assert fp(model_dir, hf_overrides=lambda c: c) == fp(model_dir, hf_overrides=lambda c: c)
 
@@ -63,15 +83,15 @@ def test_same_inputs_same_fingerprint(model_dir):
 def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
     weights = model_dir / "model.safetensors"
     st = weights.stat()
-    old_ns = st.st_mtime_ns - 10**10          # written 10 s ago
+    old_ns = st.st_mtime_ns - 10**10  # written 10 s ago
     os.utime(weights, ns=(old_ns, old_ns))
     before = fp(model_dir)
-    if how == "rewrite":        # a new checkpoint saved over the old one: same name and size
+    if how == "rewrite":  # a new checkpoint saved over the old one: same name and size
         weights.write_bytes(b"\x02" * 64)
-    elif how == "size":         # same mtime, other size
+    elif how == "size":  # same mtime, other size
         weights.write_bytes(b"\x01" * 65)
         os.utime(weights, ns=(old_ns, old_ns))
-    elif how == "mtime":        # same size, other mtime
+    elif how == "mtime":  # same size, other mtime
         os.utime(weights, ns=(old_ns, old_ns + 1))
     elif how == "new_shard":
         (model_dir / "model-00002-of-00002.bin").write_bytes(b"\x03")
@@ -89,14 +109,17 @@ def test_files_that_are_not_weights_do_not_change_it(model_dir):
     assert fp(model_dir) == before
 
 
-@pytest.mark.parametrize("change", [
-    dict(quantization="fp8"),
-    dict(quantization="awq"),
-    dict(hf_overrides={"rope_theta": 500000.0}),
-    dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-    dict(rope_theta=500000.0),
-    dict(cache_dtype="fp8_e5m2"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(quantization="fp8"),
+        dict(quantization="awq"),
+        dict(hf_overrides={"rope_theta": 500000.0}),
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+        dict(rope_theta=500000.0),
+        dict(cache_dtype="fp8_e5m2"),
+    ],
+)
 def test_quantisation_rope_and_cache_dtype_change_it(model_dir, change):
     base = dict(cache_dtype="fp8_e4m3") if "cache_dtype" in change else {}
     assert fp(model_dir, **base) != fp(model_dir, **change)
@@ -118,14 +141,17 @@ def test_hub_id_is_keyed_by_its_cached_snapshot_commit(tmp_path):
     # pinned to a commit: that commit, whatever main says
     assert fp("org/tiny", download_dir=str(cache), revision="a" * 40) == first
     # not in the cache: the revision string keys it
-    assert fp("org/absent", download_dir=str(cache), revision="v1") != \
-        fp("org/absent", download_dir=str(cache), revision="v2")
+    assert fp("org/absent", download_dir=str(cache), revision="v1") != fp(
+        "org/absent", download_dir=str(cache), revision="v2"
+    )
 
 
 # ---- KV formats ---------------------------------------------------------------------------------
 def geometry_for(model_dir, cache_dtype, calculate_kv_scales=False):
-    return kv_geometry(vllm_config(model_dir, cache_dtype=cache_dtype,
-                                   calculate_kv_scales=calculate_kv_scales), kv_cache_config())
+    return kv_geometry(
+        vllm_config(model_dir, cache_dtype=cache_dtype, calculate_kv_scales=calculate_kv_scales),
+        kv_cache_config(),
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "float16", "bfloat16"])
@@ -146,9 +172,19 @@ def test_fp8_with_computed_scales_is_declined(model_dir):
     assert g.unsupported and "calculate_kv_scales" in g.unsupported
 
 
-@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head",
-                                         "int4_per_token_head", "nvfp4", "nvfp4_4over6",
-                                         "turboquant_k8v4", "ultraquant_4bit", "int8"])
+@pytest.mark.parametrize(
+    "cache_dtype",
+    [
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+        "nvfp4",
+        "nvfp4_4over6",
+        "turboquant_k8v4",
+        "ultraquant_4bit",
+        "int8",
+    ],
+)
 def test_other_quantised_kv_is_declined(model_dir, cache_dtype):
     g = geometry_for(model_dir, cache_dtype)
     assert g.unsupported and cache_dtype in g.unsupported

@@ -147,8 +147,9 @@ def test_any_page_permutation_block_and_slot_paths_agree():
 
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
-@pytest.mark.parametrize("src_start, dst_start, count", [(0, 0, 96), (32, 64, 40), (3, 3, 70),
-                                                         (5, 37, 50), (0, 0, 10)])
+@pytest.mark.parametrize(
+    "src_start, dst_start, count", [(0, 0, 96), (32, 64, 40), (3, 3, 70), (5, 37, 50), (0, 0, 10)]
+)
 def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
     """Donor pages -> cache blocks: raw page copies where aligned, token copies elsewhere; the
     target then holds exactly the donor's K/V at the new positions."""
@@ -158,17 +159,20 @@ def test_copy_tokens_between_page_tensors(backend, src_start, dst_start, count):
     spec.write_range(donor, [0, 1, 2, 3], 0, k, v)
     cache = torch.zeros(B, H, N, 2 * D)
     dst_blocks = [4, 0, 5, 2]
-    spec.copy_tokens(donor[None], [0, 1, 2, 3], src_start, cache[None], dst_blocks, dst_start,
-                     count)
+    spec.copy_tokens(
+        donor[None], [0, 1, 2, 3], src_start, cache[None], dst_blocks, dst_start, count
+    )
     rk, rv = spec.read_range(cache, dst_blocks, dst_start, count)
-    assert torch.equal(rk, k[src_start:src_start + count])
-    assert torch.equal(rv, v[src_start:src_start + count])
+    assert torch.equal(rk, k[src_start : src_start + count])
+    assert torch.equal(rv, v[src_start : src_start + count])
 
 
 def test_stack_layers_views_one_buffer_and_falls_back():
     flat = torch.arange(3 * B * H * N * 2 * D, dtype=torch.float32)
-    layers = [flat[i * B * H * N * 2 * D:(i + 1) * B * H * N * 2 * D].view(B, H, N, 2 * D)
-              for i in range(3)]
+    layers = [
+        flat[i * B * H * N * 2 * D : (i + 1) * B * H * N * 2 * D].view(B, H, N, 2 * D)
+        for i in range(3)
+    ]
     [(span, stacked)] = stack_layers(layers)
     assert span == slice(0, 3) and stacked.shape == (3, B, H, N, 2 * D)
     for i in range(3):

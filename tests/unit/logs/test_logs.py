@@ -10,10 +10,12 @@ def test_a_fault_kind_is_warned_once_then_logged_at_debug(caplog):
             warn_once(logger, "load", "loading donor %d failed", i)
         warn_once(logger, "recompute", "recompute failed")
     levels = [(r.levelno, r.getMessage().split(" (")[0]) for r in caplog.records]
-    assert levels == [(logging.WARNING, "loading donor 0 failed"),
-                      (logging.DEBUG, "loading donor 1 failed"),
-                      (logging.DEBUG, "loading donor 2 failed"),
-                      (logging.WARNING, "recompute failed")]
+    assert levels == [
+        (logging.WARNING, "loading donor 0 failed"),
+        (logging.DEBUG, "loading donor 1 failed"),
+        (logging.DEBUG, "loading donor 2 failed"),
+        (logging.WARNING, "recompute failed"),
+    ]
 
 
 def test_a_guarded_callback_counts_logs_once_and_falls_back(caplog):
@@ -37,7 +39,8 @@ def test_a_guarded_callback_counts_logs_once_and_falls_back(caplog):
     with caplog.at_level(logging.DEBUG, logger=Half.logger.name):
         assert [half.match(i) for i in range(3)] == [(0, False)] * 3
     assert half.stats.totals["fallbacks"] == 3 and half.cleaned == [0, 1, 2]
-    warnings = [r for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == Half.logger.name]
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and r.name == Half.logger.name
+    ]
     assert len(warnings) == 1 and "lookup failed" in warnings[0].getMessage()
     assert warnings[0].exc_info is not None

@@ -31,9 +31,9 @@ def test_plan_claims_the_span_and_always_redoes_what_cannot_be_right():
     assert plan.donor_pos[30:230] == list(range(10, 210))
     assert plan.exact_tokens == 200 and plan.fuzzy_tokens == 0
     always = set(plan.always)
-    assert set(range(30)) <= always                       # unaligned head
+    assert set(range(30)) <= always  # unaligned head
     assert {30, 31, 32, 33} <= always and 34 not in always  # the run's first tokens
-    assert set(range(len(target) - 4, len(target) - 1)) <= always   # the tail
+    assert set(range(len(target) - 4, len(target) - 1)) <= always  # the tail
     short = plan.truncated(100)
     assert short.end == 100 and len(short.donor_pos) == 100 and max(short.always) == 99
 
@@ -56,4 +56,4 @@ def test_aligner_keeps_donor_features_for_recent_donors():
     assert aligner._features("d", donor) is first
     for i in range(300):
         aligner._features(f"other-{i}", donor)
-    assert aligner._features("d", donor) is not first      # evicted (LRU, 256 kept)
+    assert aligner._features("d", donor) is not first  # evicted (LRU, 256 kept)

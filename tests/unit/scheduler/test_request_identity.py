@@ -17,8 +17,9 @@ def lora(name, path="/adapters/x"):
 
 
 def image(identifier, offset, length=16):
-    return SimpleNamespace(identifier=identifier,
-                           mm_position=SimpleNamespace(offset=offset, length=length))
+    return SimpleNamespace(
+        identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
+    )
 
 
 def with_identity(r, lora_request=None, mm=None, embeds=None):
@@ -29,12 +30,13 @@ def with_identity(r, lora_request=None, mm=None, embeds=None):
 def test_namespaces_are_one_to_one_over_every_identity_vllm_keys_on():
     plain = with_identity(request("a", [1, 2, 3]))
     salted = with_identity(request("a", [1, 2, 3], salt="t1"))
-    assert namespace_of(plain) == "" and namespace_of(salted) == "t1"   # persisted donors stay
+    assert namespace_of(plain) == "" and namespace_of(salted) == "t1"  # persisted donors stay
     spaces = {
         namespace_of(with_identity(request("a", [1], salt=s), lora_request=lo, mm=mm))
         for s in ("", "t1", "-")
         for lo in (None, lora("x"), lora("y"), lora("x", "/other"))
-        for mm in (None, [image("h1", 4)], [image("h2", 4)], [image("h1", 8)])}
+        for mm in (None, [image("h1", 4)], [image("h2", 4)], [image("h1", 8)])
+    }
     assert len(spaces) == 3 * 4 * 4
     # a salt crafted to look like an encoded identity never equals that identity
     encoded = namespace_of(with_identity(request("a", [1], salt="t1"), lora_request=lora("x")))
@@ -65,7 +67,8 @@ def test_a_lora_donor_serves_only_its_own_adapter():
     target = donor[:150] + [1, 2, 3]
     assert s.get_num_new_matched_tokens(with_identity(request("t1", target)), 0) == (0, False)
     assert s.get_num_new_matched_tokens(
-        with_identity(request("t2", target), lora_request=lora("y")), 0) == (0, False)
+        with_identity(request("t2", target), lora_request=lora("y")), 0
+    ) == (0, False)
     same = with_identity(request("t3", target), lora_request=lora("x"))
     assert s.get_num_new_matched_tokens(same, 0) == (128, False)
 
@@ -85,10 +88,10 @@ def test_multimodal_donors_need_the_same_inputs_in_the_same_places():
 def test_prompt_embedding_requests_are_neither_served_nor_captured():
     s = SemShareScheduler(SemShareConfig(), geometry())
     placeholders = [0] * 200
-    assert _donor(s, placeholders, embeds=object()) == (False, None)   # not captured
+    assert _donor(s, placeholders, embeds=object()) == (False, None)  # not captured
     assert len(s.index) == 0
-    assert _donor(s, placeholders) == (True, None)    # a real prompt of those very ids is
+    assert _donor(s, placeholders) == (True, None)  # a real prompt of those very ids is
     embeds = with_identity(request("e", placeholders[:150] + [1]), embeds=object())
-    assert s.get_num_new_matched_tokens(embeds, 0) == (0, False)        # ...but never serves
+    assert s.get_num_new_matched_tokens(embeds, 0) == (0, False)  # ...but never serves
     s.update_state_after_alloc(embeds, Blocks(list(range(5))), 0)
     assert s.build_connector_meta(None).loads == []

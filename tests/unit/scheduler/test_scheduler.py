@@ -20,8 +20,9 @@ def test_capture_then_claim_whole_blocks_leaving_one_token():
     meta = s.build_connector_meta(None)
     assert [c.req_id for c in meta.captures] == ["done"] and len(meta.captures[0].token_ids) == 201
     assert s.has_pending_block_frees()
-    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
-                                              kv_connector_worker_meta=None))
+    s.update_connector_output(
+        SimpleNamespace(finished_sending={"done"}, kv_connector_worker_meta=None)
+    )
     assert not s.has_pending_block_frees()
 
     target = request("t", donor[:150] + [1, 2, 3])
@@ -52,8 +53,9 @@ def test_no_capture_when_short_covered_disabled_or_unsupported():
     assert finish(s, list(range(30))) == (False, None)
     assert finish(s, list(range(100))) == (True, None)
     assert finish(s, list(range(90)), outputs=()) == (False, None)  # already covered
-    assert finish(SemShareScheduler(SemShareConfig(capture=False), geometry()),
-                  list(range(100))) == (False, None)
+    assert finish(
+        SemShareScheduler(SemShareConfig(capture=False), geometry()), list(range(100))
+    ) == (False, None)
     off = SemShareScheduler(SemShareConfig(), geometry(unsupported="hybrid"))
     assert finish(off, list(range(100))) == (False, None)
     assert off.get_num_new_matched_tokens(request("t", list(range(100))), 0) == (0, False)
@@ -77,8 +79,11 @@ def test_bad_donor_reported_by_worker_is_forgotten():
     finish(s, list(range(100)), outputs=())
     s.build_connector_meta(None)
     key = DonorKey("", donor_id_for("", list(range(99))))
-    s.update_connector_output(SimpleNamespace(finished_sending=None,
-                                              kv_connector_worker_meta=SemShareWorkerMetadata([key])))
+    s.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None, kv_connector_worker_meta=SemShareWorkerMetadata([key])
+        )
+    )
     assert key not in s.index
     assert s.build_connector_meta(None).evictions == [key]
 
@@ -88,8 +93,9 @@ def test_restore_skips_truncated_and_foreign_files(tmp_path):
     kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
     good = list(range(64))
     good_id = donor_id_for("ns", good)
-    donor_file.write(donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good,
-                     list(LAYERS), "L", kv)
+    donor_file.write(
+        donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good, list(LAYERS), "L", kv
+    )
     cut_id = donor_id_for("ns", list(range(500, 564)))
     cut = donor_file.donor_path(root, cut_id, 0, 1)
     donor_file.write(cut, "ns", cut_id, list(range(500, 564)), list(LAYERS), "L", kv)
@@ -127,7 +133,7 @@ def test_a_fault_after_vllm_took_the_claim_has_the_worker_report_the_blocks_fail
     finish(s, donor)
     target = request("t", donor[:150] + [1, 2, 3])
     assert s.get_num_new_matched_tokens(target, 0) == (128, False)
-    s.catalog.index = None                          # anything that makes our planning raise
+    s.catalog.index = None  # anything that makes our planning raise
     s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 128)
     meta = s.build_connector_meta(None)
     assert not meta.loads and len(meta.failed_loads) == 1
@@ -156,7 +162,7 @@ def scoring_request(req_id, tokens, limit):
     r = request(req_id, tokens)
     r.kv_transfer_params = {"semshare_reuse_limit": limit} if limit is not None else None
     r.sampling_params = SimpleNamespace(prompt_logprobs=0)
-    r.skip_reading_prefix_cache = True       # what vLLM sets for prompt logprobs
+    r.skip_reading_prefix_cache = True  # what vLLM sets for prompt logprobs
     return r
 
 
@@ -215,8 +221,12 @@ class FakeFeed:
 
 
 def shared_config():
-    return SemShareConfig(kv_tier="lmcache", lmcache_remote_url="redis://h:1",
-                          shared_index_url="redis://h:1", shared_index_secret="s")
+    return SemShareConfig(
+        kv_tier="lmcache",
+        lmcache_remote_url="redis://h:1",
+        shared_index_url="redis://h:1",
+        shared_index_secret="s",
+    )
 
 
 class FakeDiscovery:
@@ -259,12 +269,12 @@ def test_a_captured_donor_is_announced_with_its_embedding():
     donor = list(range(100))
     finish(s, donor, salt="t")
     key = s.build_connector_meta(None).captures[0].key
-    assert feed.published == []                 # not before it is embedded
-    (reg_key, serial, tokens, then), = discovery.registered
-    assert reg_key == key and tokens == donor   # the prompt is what is embedded
+    assert feed.published == []  # not before it is embedded
+    ((reg_key, serial, tokens, then),) = discovery.registered
+    assert reg_key == key and tokens == donor  # the prompt is what is embedded
     emb = DocumentEmbedding(np.ones(384, np.float32), np.ones((1, 384), np.float32), 90)
     then(Embedded(key, serial, emb, 1234, 5.0))  # on the discovery thread
-    record, = feed.published
+    (record,) = feed.published
     assert (record.namespace, record.donor_id) == ("t", key.donor_id)
     assert record.token_ids == donor + [7] and record.num_prompt_tokens == 100
     assert record.ranks == 2 and record.embedding is emb and record.fingerprint == 1234
@@ -277,7 +287,7 @@ def test_without_discovery_a_donor_is_announced_at_capture():
     feed = FakeFeed()
     s = SemShareScheduler(shared_config(), geometry(), feed=feed)
     finish(s, list(range(100)))
-    record, = feed.published
+    (record,) = feed.published
     assert record.embedding is None and record.ranks == 1
 
 
@@ -285,13 +295,18 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     from semshare_vllm.catalog.shared_records import SharedDonor
 
     tokens = list(range(500, 700))
-    digests = ["ab" * 32]                       # its rank's KV digest, from its signed mark
+    digests = ["ab" * 32]  # its rank's KV digest, from its signed mark
     good = SharedDonor("t", donor_id_for("t", tokens), tokens, 200, kv_digests=digests)
-    forged = SharedDonor("t", donor_id_for("other", tokens), tokens, 200,   # id of another ns
-                         kv_digests=digests)
+    forged = SharedDonor(
+        "t",
+        donor_id_for("other", tokens),
+        tokens,
+        200,  # id of another ns
+        kv_digests=digests,
+    )
     other = list(range(800, 900))
-    undigested = SharedDonor("t", donor_id_for("t", other), other, 100)   # no KV digests
-    stats = StatsRecorder()                     # the connector hands the feed the scheduler's
+    undigested = SharedDonor("t", donor_id_for("t", other), other, 100)  # no KV digests
+    stats = StatsRecorder()  # the connector hands the feed the scheduler's
     feed = FakeFeed([good, forged, undigested], stats)
     s = SemShareScheduler(shared_config(), geometry(), feed=feed, stats=stats)
     s.build_connector_meta(None)
@@ -299,15 +314,17 @@ def test_shared_donors_join_their_namespace_and_loads_carry_their_tokens():
     assert s.stats.totals["shared_records_dropped"] == 2
     assert s.stats.totals["shared_index_outages"] == 1
     assert s.stats.totals["shared_records_forged"] == 2
-    assert s.get_num_new_matched_tokens(request("x", tokens[:150] + [1], salt="u"), 0) == \
-        (0, False)                                # another namespace sees nothing
+    assert s.get_num_new_matched_tokens(request("x", tokens[:150] + [1], salt="u"), 0) == (
+        0,
+        False,
+    )  # another namespace sees nothing
     target = request("y", tokens[:150] + [1], salt="t")
     assert s.get_num_new_matched_tokens(target, 0) == (128, False)
     s.update_state_after_alloc(target, Blocks(list(range(5))), 128)
     load = s.build_connector_meta(None).loads[0]
     assert load.key == DonorKey("t", good.donor_id) and load.donor_token_ids == tokens
-    assert load.donor_kv_digests == digests     # the worker checks what it fetches
-    assert feed.published == []                 # never announced again by this instance
+    assert load.donor_kv_digests == digests  # the worker checks what it fetches
+    assert feed.published == []  # never announced again by this instance
 
 
 def test_a_malformed_shared_record_costs_that_record_only():
@@ -317,12 +334,18 @@ def test_a_malformed_shared_record_costs_that_record_only():
     from semshare_vllm.discovery.embedder import DocumentEmbedding
 
     tokens = list(range(300, 400))
-    bad = SharedDonor("", donor_id_for("", tokens), tokens, 100, embedder_id="embedder-x",
-                      embedding=DocumentEmbedding(np.ones(7, np.float32),
-                                                  np.ones((1, 7), np.float32), 5),
-                      fingerprint=1, kv_digests=["ab" * 32])
+    bad = SharedDonor(
+        "",
+        donor_id_for("", tokens),
+        tokens,
+        100,
+        embedder_id="embedder-x",
+        embedding=DocumentEmbedding(np.ones(7, np.float32), np.ones((1, 7), np.float32), 5),
+        fingerprint=1,
+        kv_digests=["ab" * 32],
+    )
     s = SemShareScheduler(shared_config(), geometry(), FakeDiscovery(), feed=FakeFeed([bad]))
-    s.build_connector_meta(None)                 # no exception reaches vLLM
+    s.build_connector_meta(None)  # no exception reaches vLLM
     assert s.stats.totals["shared_records_dropped"] == 1
 
 
@@ -333,12 +356,16 @@ def test_a_disabled_worker_stops_claims_and_captures():
     donor = list(range(200))
     finish(s, donor)
     s.build_connector_meta(None)
-    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
-                                              kv_connector_worker_meta=None))
+    s.update_connector_output(
+        SimpleNamespace(finished_sending={"done"}, kv_connector_worker_meta=None)
+    )
     assert s.get_num_new_matched_tokens(request("t", donor[:150] + [1]), 0) == (128, False)
-    s.update_connector_output(SimpleNamespace(
-        finished_sending=None,
-        kv_connector_worker_meta=SemShareWorkerMetadata(disabled="kernel blocks of 16")))
+    s.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None,
+            kv_connector_worker_meta=SemShareWorkerMetadata(disabled="kernel blocks of 16"),
+        )
+    )
     assert s.get_num_new_matched_tokens(request("u", donor[:150] + [1]), 0) == (0, False)
     assert finish(s, list(range(1000, 1100))) == (False, None)
     assert s.build_connector_meta(None).captures == []
@@ -347,8 +374,9 @@ def test_a_disabled_worker_stops_claims_and_captures():
 def test_exact_only_kv_plans_no_recompute_for_exact_loads():
     """Quantised KV ("exact-prefix only"): recompute_policy "all" would repair exact loads
     through a runner that ignores the KV scales; the loads stay plain page copies."""
-    s = SemShareScheduler(SemShareConfig(recompute_policy="all"),
-                          geometry(exact_only="fp8_e4m3 KV"))
+    s = SemShareScheduler(
+        SemShareConfig(recompute_policy="all"), geometry(exact_only="fp8_e4m3 KV")
+    )
     donor = list(range(200))
     finish(s, donor)
     target = request("t", donor[:150] + [1])

@@ -48,7 +48,7 @@ def test_a_donor_being_written_is_never_evicted():
     with pytest.raises(DonorUnavailable):
         s.allocate(DonorKey("", "big"), 4)
     assert keys[0] in s and keys[1] in s
-    s.finish_write(keys[0])            # written: now it may go
+    s.finish_write(keys[0])  # written: now it may go
     s.allocate(DonorKey("", "big"), 3)
     assert keys[0] not in s and keys[1] in s
     s.abort_write(keys[1])
@@ -66,12 +66,24 @@ def test_persist_roundtrip_and_drop(tmp_path):
     assert path.is_file() and not list(tmp_path.glob(".tmp-*"))
     header = donor_file.read_header(path)
     assert (header.namespace, header.token_ids, header.layer_names, header.layout) == (
-        "tenant", list(range(12)), LAYERS, "CPU_ATTN/vec/8")
+        "tenant",
+        list(range(12)),
+        LAYERS,
+        "CPU_ATTN/vec/8",
+    )
     s.drop_memory(key)
     assert key not in s
     assert torch.equal(s.pool[:, s.blocks(key)], data)  # read back from disk into the pool
-    other = HostKVStore(s.capacity_bytes, LAYERS, PAGE, torch.float32, "FLASH_ATTN/-/8",
-                        tp_rank=1, tp_size=2, persist_root=tmp_path)
+    other = HostKVStore(
+        s.capacity_bytes,
+        LAYERS,
+        PAGE,
+        torch.float32,
+        "FLASH_ATTN/-/8",
+        tp_rank=1,
+        tp_size=2,
+        persist_root=tmp_path,
+    )
     with pytest.raises(DonorUnavailable, match="page layout"):
         other.blocks(key)  # pages of another backend are never written into this one
     s.drop(key)

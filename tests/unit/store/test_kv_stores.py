@@ -11,7 +11,7 @@ from semshare_vllm.layout.specs import page_spec
 from semshare_vllm.store.host_store import HostKVStore
 
 L, H, D, BS = 3, 2, 32, 32
-CHUNK = 16          # LMCache's chunk size here (256 in service): several chunks per donor
+CHUNK = 16  # LMCache's chunk size here (256 in service): several chunks per donor
 
 
 def rows(n, seed=0):
@@ -23,15 +23,28 @@ def tokens(n, seed=0):
 
 
 def host_store():
-    return HostKVStore(64 * L * H * BS * 2 * D * 4, [f"l{i}" for i in range(L)], (H, BS, 2 * D),
-                       torch.float32, page_layout=page_spec("CPU_ATTN", D, "vec"))
+    return HostKVStore(
+        64 * L * H * BS * 2 * D * 4,
+        [f"l{i}" for i in range(L)],
+        (H, BS, 2 * D),
+        torch.float32,
+        page_layout=page_spec("CPU_ATTN", D, "vec"),
+    )
 
 
 def lmcache_store(remote_url=None):
     from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
-    return LMCacheKVStore(L, H, D, torch.float32, "contract-model", 32 * 2**20,
-                          remote_url=remote_url, chunk_size=CHUNK)
+    return LMCacheKVStore(
+        L,
+        H,
+        D,
+        torch.float32,
+        "contract-model",
+        32 * 2**20,
+        remote_url=remote_url,
+        chunk_size=CHUNK,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +60,9 @@ def store(request):
     if request.param == "host":
         s = host_store()
     else:
-        s = lmcache_store(request.getfixturevalue("redis").url
-                          if request.param.endswith("redis") else None)
+        s = lmcache_store(
+            request.getfixturevalue("redis").url if request.param.endswith("redis") else None
+        )
     yield s
     s.close()
 
@@ -66,8 +80,8 @@ def test_a_donor_comes_back_whole_and_by_range(store):
     key, toks, kv = DonorKey("", "d1"), tokens(53), rows(53)
     assert store.get(key, toks) is None
     store.put(key, toks, kv)
-    assert torch.equal(store.get(key, toks), kv)                    # bit-exact
-    for start, end in [(0, 16), (5, 40), (16, 32), (47, 53)]:     # inside and across chunks
+    assert torch.equal(store.get(key, toks), kv)  # bit-exact
+    for start, end in [(0, 16), (5, 40), (16, 32), (47, 53)]:  # inside and across chunks
         assert torch.equal(store.get(key, toks, start, end), kv[:, start:end])
 
 
@@ -80,7 +94,7 @@ def test_evicted_unknown_and_other_donors(store):
         assert store.get(a, ta) is None
     assert torch.equal(store.get(b, tb), rows(20, 2))
     assert store.get(DonorKey("", "never"), tokens(30, 3)) is None
-    drop(store, DonorKey("", "never"))                              # no error
+    drop(store, DonorKey("", "never"))  # no error
 
 
 def test_namespaces_never_share_a_donor(store):
@@ -104,7 +118,7 @@ def test_namespace_tags_are_one_to_one(store):
     if drop(store, dash):
         assert store.get(dash, toks) is None
     assert torch.equal(store.get(empty, toks), rows(48, 13))
-    odd = DonorKey("a b|c:d\n\u00e9", "o")              # safe inside LMCache's key strings
+    odd = DonorKey("a b|c:d\n\u00e9", "o")  # safe inside LMCache's key strings
     store.put(odd, toks, rows(48, 15))
     assert torch.equal(store.get(odd, toks), rows(48, 15))
 
@@ -117,12 +131,20 @@ def test_a_fetched_donor_has_the_digest_its_writer_signed(redis):
     from semshare_vllm.store.lmcache_store import LMCacheKVStore
 
     def half_store():
-        return LMCacheKVStore(L, H, D, torch.float16, "digest-model", 32 * 2**20,
-                              remote_url=redis.url, chunk_size=CHUNK)
+        return LMCacheKVStore(
+            L,
+            H,
+            D,
+            torch.float16,
+            "digest-model",
+            32 * 2**20,
+            remote_url=redis.url,
+            chunk_size=CHUNK,
+        )
 
     first, second = half_store(), half_store()
     try:
-        key, toks, kv = DonorKey("t", "digest"), tokens(70, 16), rows(70, 16)   # float32 rows
+        key, toks, kv = DonorKey("t", "digest"), tokens(70, 16), rows(70, 16)  # float32 rows
         assert first.put(key, toks, kv)
         fetched = second.get(key, toks)
         assert kv_digest(fetched, second.dtype) == kv_digest(kv, first.dtype)
@@ -153,9 +175,9 @@ def test_a_redis_outage_costs_misses_not_errors():
     try:
         key, toks = DonorKey("", "outage"), tokens(40, 8)
         server.stop()
-        writer.put(key, toks, rows(40, 8))                  # no error
+        writer.put(key, toks, rows(40, 8))  # no error
         assert reader.get(key, toks) is None
-        server.start()                                      # back: reuse resumes
+        server.start()  # back: reuse resumes
         writer.put(key, toks, rows(40, 9))
         assert writer.visible(key, toks)
         assert torch.equal(reader.get(key, toks), rows(40, 9))

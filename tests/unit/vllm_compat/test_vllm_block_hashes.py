@@ -25,8 +25,7 @@ def vllm_request(hasher, req_id, tokens):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(req_id, list(tokens), SamplingParams(max_tokens=400), None,
-                   block_hasher=hasher)
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=400), None, block_hasher=hasher)
 
 
 @pytest.mark.parametrize("prompt_len,start", [(100, 96), (20, 0), (100, 0), (130, 64)])
@@ -34,12 +33,12 @@ def test_every_hash_from_the_claim_on_is_request_only_now_and_later(hasher, prom
     tokens = list(range(1000, 1000 + prompt_len))
     served, plain = vllm_request(hasher, "served", tokens), vllm_request(hasher, "plain", tokens)
     vllm_block_hashes.make_request_only(served, start, BS)
-    for t in range(200):           # decoding fills the partial block and several more
+    for t in range(200):  # decoding fills the partial block and several more
         served.append_output_token_ids(t)
         plain.append_output_token_ids(t)
     assert len(served.block_hashes) == len(plain.block_hashes) >= 4
     first = start // BS
-    assert served.block_hashes[:first] == plain.block_hashes[:first]   # exact: still shared
+    assert served.block_hashes[:first] == plain.block_hashes[:first]  # exact: still shared
     for mine, true in zip(served.block_hashes[first:], plain.block_hashes[first:]):
         assert mine != true
     # another request served the same way keeps its own salt
@@ -54,9 +53,9 @@ def test_a_later_claim_starting_earlier_salts_back_to_its_start(hasher):
     tokens = list(range(1000, 1200))
     served, plain = vllm_request(hasher, "served", tokens), vllm_request(hasher, "plain", tokens)
     request_only = vllm_block_hashes.make_request_only
-    request_only(served, 128, BS)     # first asked with a 4-block local hit...
-    request_only(served, 32, BS)      # ...re-asked once vLLM's hit shrank to one block
-    request_only(served, 96, BS)      # (a later start changes nothing)
+    request_only(served, 128, BS)  # first asked with a 4-block local hit...
+    request_only(served, 32, BS)  # ...re-asked once vLLM's hit shrank to one block
+    request_only(served, 96, BS)  # (a later start changes nothing)
     for t in range(100):
         served.append_output_token_ids(t)
         plain.append_output_token_ids(t)
@@ -92,10 +91,12 @@ def claimed_load(block_ids):
 def test_a_failed_load_leaves_nothing_in_vllms_prefix_cache_and_its_request_is_no_donor():
     s, manager, target = claimed_load([10, 11, 12, 13, 14])
     # the worker reports the load's second block failed; vLLM keeps it cached ("recompute")
-    s.update_connector_output(SimpleNamespace(finished_sending=None,
-                                              kv_connector_worker_meta=None,
-                                              invalid_block_ids={11}))
-    assert manager.evicted == {11, 12, 13, 14}    # it and every block computed after it
+    s.update_connector_output(
+        SimpleNamespace(
+            finished_sending=None, kv_connector_worker_meta=None, invalid_block_ids={11}
+        )
+    )
+    assert manager.evicted == {11, 12, 13, 14}  # it and every block computed after it
     # aborted before vLLM recomputed it: its KV is not taken as a donor
     target.num_computed_tokens = target.num_tokens - 1
     assert s.request_finished(target, [10, 11, 12, 13, 14]) == (False, None)
@@ -106,13 +107,17 @@ def test_a_load_that_fails_after_its_request_finished_is_still_evicted():
     that step's output: the failure reported then still takes its blocks out of vLLM's cache."""
     s, manager, target = claimed_load([20, 21, 22, 23, 24])
     target.num_computed_tokens = 128
-    s.request_finished(target, [20, 21, 22, 23, 24])       # aborted: vLLM frees the blocks
-    s.update_connector_output(SimpleNamespace(finished_sending={"done"},
-                                              kv_connector_worker_meta=None,
-                                              invalid_block_ids={20}))
+    s.request_finished(target, [20, 21, 22, 23, 24])  # aborted: vLLM frees the blocks
+    s.update_connector_output(
+        SimpleNamespace(
+            finished_sending={"done"}, kv_connector_worker_meta=None, invalid_block_ids={20}
+        )
+    )
     assert manager.evicted == {20, 21, 22, 23, 24}
-    for _ in range(5):                                       # and it is forgotten after
-        s.update_connector_output(SimpleNamespace(finished_sending=None,
-                                                  kv_connector_worker_meta=None,
-                                                  invalid_block_ids=None))
+    for _ in range(5):  # and it is forgotten after
+        s.update_connector_output(
+            SimpleNamespace(
+                finished_sending=None, kv_connector_worker_meta=None, invalid_block_ids=None
+            )
+        )
     assert not s.load_watch.finished_watched()

@@ -19,8 +19,7 @@ def test_the_connector_resolves_by_name_and_registering_again_is_harmless(caplog
         connector_registry.register_connector()
         connector_registry.register_connector()
     assert not [r for r in caplog.records if r.name == "vllm.semshare.plugin"]
-    assert KVConnectorFactory.get_connector_class_by_name("SemShareConnector") \
-        is SemShareConnector
+    assert KVConnectorFactory.get_connector_class_by_name("SemShareConnector") is SemShareConnector
 
 
 def test_the_declared_entry_point_registers_the_connector_and_installs_the_hook(monkeypatch):

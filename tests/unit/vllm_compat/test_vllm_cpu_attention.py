@@ -25,7 +25,7 @@ def test_written_kv_attended_by_vllms_kernels_is_causal_attention(dtype):
     out = prefill_attention(cache, q, block_ids, context, scale, "vec")
     # reference: query i sits at position context - t + i and sees keys 0..its position
     kk, vv = (x.float().repeat_interleave(HQ // H, dim=1).transpose(0, 1) for x in (k, v))
-    scores = q.float().transpose(0, 1) @ kk.transpose(1, 2) * scale       # [HQ, t, context]
+    scores = q.float().transpose(0, 1) @ kk.transpose(1, 2) * scale  # [HQ, t, context]
     mask = pos[None, :] <= (context - t + torch.arange(t))[:, None]
     ref = (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vv).transpose(0, 1)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

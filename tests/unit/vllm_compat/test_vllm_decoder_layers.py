@@ -78,8 +78,10 @@ def model(arch="LlamaForCausalLM", attns=None, **inner_attrs):
 def test_a_llama_structure_model_as_the_recompute_reads_it():
     m = model()
     stack = decoder_stack(m)
-    assert [layer.layer_name for layer in stack.layers] == \
-        ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert [layer.layer_name for layer in stack.layers] == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
     first = stack.layers[0]
     assert (first.num_heads, first.num_kv_heads, first.head_size, first.scale) == (4, 2, 16, 0.25)
     assert first.module is m.model.layers[0] and first.attn is m.model.layers[0].self_attn.attn
@@ -111,13 +113,16 @@ def test_the_attention_stand_in_is_called_and_always_taken_out_again():
     assert m.model.layers[0].self_attn.attn is original
 
 
-@pytest.mark.parametrize("make", [
-    lambda: model("GPT2LMHeadModel"),                                   # another architecture
-    lambda: model(attns=[vllm_attention(0), torch.nn.Identity()]),      # not vLLM's Attention
-    lambda: model(attns=[vllm_attention(0, sliding_window=128)]),
-    lambda: model(attns=[vllm_attention(0, soft_cap=30.0)]),
-    lambda: model(start_layer=1),                                       # a pipeline stage
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: model("GPT2LMHeadModel"),  # another architecture
+        lambda: model(attns=[vllm_attention(0), torch.nn.Identity()]),  # not vLLM's Attention
+        lambda: model(attns=[vllm_attention(0, sliding_window=128)]),
+        lambda: model(attns=[vllm_attention(0, soft_cap=30.0)]),
+        lambda: model(start_layer=1),  # a pipeline stage
+    ],
+)
 def test_what_the_recompute_cannot_drive_is_refused(make):
     with pytest.raises(UnsupportedModel):
         decoder_stack(make())

@@ -10,12 +10,16 @@ from semshare_vllm.vllm_compat import model_hook
 
 class _Config:
     def __init__(self, connector):
-        self.kv_transfer_config = None if connector is None else types.SimpleNamespace(
-            kv_connector=connector, kv_connector_module_path=None)
+        self.kv_transfer_config = (
+            None
+            if connector is None
+            else types.SimpleNamespace(kv_connector=connector, kv_connector_module_path=None)
+        )
 
 
-def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(monkeypatch,
-                                                                               tmp_path):
+def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(
+    monkeypatch, tmp_path
+):
     module_name = "semshare_fake_runner_mod"
     (tmp_path / f"{module_name}.py").write_text(
         "class FakeRunner:\n"
@@ -23,7 +27,8 @@ def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(m
         "        self.vllm_config = config\n"
         "    def load_model(self):\n"
         "        self.model = type('Model', (), {})()\n"
-        "        return 'loaded'\n")
+        "        return 'loaded'\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(model_hook, "RUNNERS", ((module_name, "FakeRunner"),))
     monkeypatch.setattr(model_hook, "_models", __import__("weakref").WeakValueDictionary())
@@ -32,18 +37,18 @@ def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(m
     monkeypatch.setattr(model_hook, "_PENDING", set())
     finders = list(sys.meta_path)
     try:
-        model_hook.install()                      # the module is not imported yet
+        model_hook.install()  # the module is not imported yet
         assert module_name not in sys.modules
-        mod = __import__(module_name)              # ...wrapped as it is imported
+        mod = __import__(module_name)  # ...wrapped as it is imported
         assert model_hook.installed() == [f"{module_name}.FakeRunner"]
         other = mod.FakeRunner(_Config("SomeOtherConnector"))
-        assert other.load_model() == "loaded"     # the original still runs
+        assert other.load_model() == "loaded"  # the original still runs
         assert model_hook.loaded_model(other.vllm_config) is None
         ours = mod.FakeRunner(_Config("SemShareConnector"))
         ours.load_model()
         assert model_hook.loaded_model(ours.vllm_config) is ours.model
         assert model_hook.loaded_runner(ours.vllm_config) is ours
-        model_hook.install()                      # twice: no double wrap
+        model_hook.install()  # twice: no double wrap
         assert mod.FakeRunner.load_model.__wrapped__.__name__ == "load_model"
         assert not getattr(mod.FakeRunner.load_model.__wrapped__, "_semshare_wrapped", False)
     finally:

@@ -23,8 +23,7 @@ def lookup_enabled(request) -> bool:
     """vLLM's own answer to "may the local prefix cache be read for this request"."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    return KVCacheManager.prefix_cache_lookup_enabled(SimpleNamespace(enable_caching=True),
-                                                      request)
+    return KVCacheManager.prefix_cache_lookup_enabled(SimpleNamespace(enable_caching=True), request)
 
 
 def test_a_prompt_logprobs_request_is_let_through_once_and_set_back():
@@ -39,4 +38,4 @@ def test_a_prompt_logprobs_request_is_let_through_once_and_set_back():
 def test_requests_that_read_caches_do_not_skip():
     plain = vllm_request()
     assert not wants_cache_skip(plain) and lookup_enabled(plain)
-    assert not wants_cache_skip(SimpleNamespace())       # a request without the flag
+    assert not wants_cache_skip(SimpleNamespace())  # a request without the flag

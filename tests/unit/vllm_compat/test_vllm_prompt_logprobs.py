@@ -11,15 +11,26 @@ from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
 def vllm_state(prompt_token_ids):
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
-    return CachedRequestState(req_id="r", prompt_token_ids=prompt_token_ids, mm_features=[],
-                              sampling_params=None, generator=None, block_ids=([],),
-                              num_computed_tokens=0, output_token_ids=[])
+    return CachedRequestState(
+        req_id="r",
+        prompt_token_ids=prompt_token_ids,
+        mm_features=[],
+        sampling_params=None,
+        generator=None,
+        block_ids=([],),
+        num_computed_tokens=0,
+        output_token_ids=[],
+    )
 
 
-@pytest.mark.parametrize("make_state", [
-    lambda ids: SimpleNamespace(prompt_token_ids=ids, in_progress_prompt_logprobs_cpu=None),
-    vllm_state,
-], ids=["stand-in", "CachedRequestState"])
+@pytest.mark.parametrize(
+    "make_state",
+    [
+        lambda ids: SimpleNamespace(prompt_token_ids=ids, in_progress_prompt_logprobs_cpu=None),
+        vllm_state,
+    ],
+    ids=["stand-in", "CachedRequestState"],
+)
 def test_marked_rows_hold_the_prompt_tokens_with_rank_zero(make_state):
     state = make_state([5, 6, 7, 8, 9])
     runner = SimpleNamespace(requests={"r": state}, num_prompt_logprobs={"r": 2})

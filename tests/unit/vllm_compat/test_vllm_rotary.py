@@ -38,8 +38,10 @@ def test_a_plain_table_is_vllms_own_in_fp32():
 
 
 def test_yarns_magnitude_is_divided_out_of_a_bf16_modules_fp32_table():
-    rope = get_rope(params={"rope_type": "yarn", "factor": 4.0,
-                            "original_max_position_embeddings": 512}, dtype=torch.bfloat16)
+    rope = get_rope(
+        params={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        dtype=torch.bfloat16,
+    )
     assert rope.mscale > 1.1 and rope.cos_sin_cache.dtype == torch.bfloat16
     cos, sin = rotary_angles(rope).cos_sin.split(32, dim=1)
     assert torch.equal(cos[0], torch.ones(32)) and torch.equal(sin[0], torch.zeros(32))
@@ -53,8 +55,9 @@ def test_modules_that_are_not_one_table_are_refused():
     with pytest.raises(UnsupportedRope):
         rotary_angles(mrope)
     with pytest.raises(UnsupportedRope):
-        rotary_angles(LinearScalingRotaryEmbedding(64, 64, 256, 10000, True, [1.0, 2.0],
-                                                   torch.float32))
+        rotary_angles(
+            LinearScalingRotaryEmbedding(64, 64, 256, 10000, True, [1.0, 2.0], torch.float32)
+        )
 
 
 def test_a_models_rotary_module():

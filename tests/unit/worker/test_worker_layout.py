@@ -28,8 +28,8 @@ def test_kernel_block_split_disables_the_worker_and_tells_the_scheduler(monkeypa
     w = make_worker(monkeypatch, bound={n: v[1] for n, v in views.items()})
     w.register_kv_caches(registered)
     assert w.disabled and "kernel block" in w.disabled and "16" in w.disabled
-    assert w.kv is None   # no store, no caches held
-    meta = w.build_worker_meta()          # sent although there is no capacity to report
+    assert w.kv is None  # no store, no caches held
+    meta = w.build_worker_meta()  # sent although there is no capacity to report
     assert isinstance(meta, SemShareWorkerMetadata) and meta.disabled == w.disabled
     assert w.build_worker_meta() is None  # once
     w.shutdown()
@@ -64,9 +64,12 @@ def test_exact_only_kv_builds_no_layer_runner(monkeypatch):
 
     monkeypatch.setattr(model_hook, "loaded_model", no_model)
     views = caches()
-    w = make_worker(monkeypatch, geom=geometry(exact_only="fp8_e4m3 KV"),
-                    config=SemShareConfig(recompute_policy="all"),
-                    bound={n: v[0] for n, v in views.items()})
+    w = make_worker(
+        monkeypatch,
+        geom=geometry(exact_only="fp8_e4m3 KV"),
+        config=SemShareConfig(recompute_policy="all"),
+        bound={n: v[0] for n, v in views.items()},
+    )
     w.register_kv_caches({n: v[0] for n, v in views.items()})
     assert w.disabled is None and w.kv.repairer is None
     assert w.build_worker_meta().recompute_ready is False

@@ -14,8 +14,14 @@ from semshare_vllm.worker import setup
 
 def registered_worker(monkeypatch):
     def host_store(config, geometry, layout, cache, rank):
-        return HostKVStore(1 << 20, list(LAYERS), tuple(cache.shape[1:]), cache.dtype,
-                           layout.name, page_layout=layout)
+        return HostKVStore(
+            1 << 20,
+            list(LAYERS),
+            tuple(cache.shape[1:]),
+            cache.dtype,
+            layout.name,
+            page_layout=layout,
+        )
 
     views = {n: v[0] for n, v in caches().items()}
     w = make_worker(monkeypatch, bound=views)
@@ -30,16 +36,17 @@ def registered_worker(monkeypatch):
 def test_capture_then_exact_load_then_failed_loads(monkeypatch):
     w = registered_worker(monkeypatch)
     key = DonorKey("", "d")
-    w.start_load_kv(SemShareConnectorMetadata(
-        captures=[CaptureSpec("a", key, list(range(40)), [1, 2])]))
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
+    )
     w.start_captures()
     w.flush_captures()
-    assert w.get_finished({"a"}) == ({"a"}, None)     # its blocks may be freed
+    assert w.get_finished({"a"}) == ({"a"}, None)  # its blocks may be freed
     assert key in w.kv.store and w.stats.totals["captured_donors"] == 1
 
     w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("b", key, 0, 0, 40, [3, 4])]))
     assert w.stats.totals["loaded_tokens"] == 40
-    for cache in w.kv.caches:                          # [B, H, N, 2D]
+    for cache in w.kv.caches:  # [B, H, N, 2D]
         got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
         want = torch.cat([cache[1], cache[2]], dim=1)[:, :40]
         assert torch.equal(got, want)
@@ -50,13 +57,15 @@ def test_capture_then_exact_load_then_failed_loads(monkeypatch):
     assert w.get_block_ids_with_load_errors() == {6}
     assert w.stats.totals["load_failures"] == 1
     other = DonorKey("", "c")
-    w.start_load_kv(SemShareConnectorMetadata(
-        captures=[CaptureSpec("c", other, list(range(20)), [5])]))
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("c", other, list(range(20)), [5])])
+    )
     assert w.get_finished(set()) == ({"c"}, None) and other not in w.kv.store
 
     # the donor is gone before its load: blocks failed, donor reported bad
-    w.start_load_kv(SemShareConnectorMetadata(evictions=[key],
-                                              loads=[LoadSpec("e", key, 0, 0, 40, [6, 7])]))
+    w.start_load_kv(
+        SemShareConnectorMetadata(evictions=[key], loads=[LoadSpec("e", key, 0, 0, 40, [6, 7])])
+    )
     assert key not in w.kv.store and w.get_block_ids_with_load_errors() == {6, 7}
     assert w.stats.totals["load_failures"] == 2
     meta = w.build_worker_meta()
@@ -75,8 +84,11 @@ def test_a_fault_in_a_load_never_reaches_vllm(monkeypatch):
 
     w = registered_worker(monkeypatch)
     monkeypatch.setattr(loads, "mark_served_rows", boom)
-    w.start_load_kv(SemShareConnectorMetadata(loads=[
-        LoadSpec("b", DonorKey("", "d"), 0, 0, 40, [3, 4], mark_logprobs_until=40)]))
+    w.start_load_kv(
+        SemShareConnectorMetadata(
+            loads=[LoadSpec("b", DonorKey("", "d"), 0, 0, 40, [3, 4], mark_logprobs_until=40)]
+        )
+    )
     assert w.get_block_ids_with_load_errors() == {3, 4}
     assert w.stats.totals["fallbacks"] == 1
     w.shutdown()

@@ -13,8 +13,17 @@ from .packed import PackedKVSpec
 from .whole_pages import WholePagesSpec
 
 # Backends with K and V packed in the last dim of each token.
-_PACKED_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER",
-                              "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"})
+_PACKED_BACKENDS = frozenset(
+    {
+        "FLASH_ATTN",
+        "TRITON_ATTN",
+        "FLEX_ATTENTION",
+        "FLASHINFER",
+        "ROCM_ATTN",
+        "ROCM_AITER_FA",
+        "ROCM_AITER_UNIFIED_ATTN",
+    }
+)
 _CPU_BACKENDS = frozenset({"CPU_ATTN"})
 
 

@@ -50,63 +50,86 @@ class PageSpec(ABC):
         """Raise ``UnsupportedKVLayout`` unless ``kv_cache`` can be read by token this way."""
         if kv_cache.dim() != 4:
             raise UnsupportedKVLayout(
-                f"expected a 4-D [B, H, N, C] KV tensor, got {tuple(kv_cache.shape)}")
+                f"expected a 4-D [B, H, N, C] KV tensor, got {tuple(kv_cache.shape)}"
+            )
         if kv_cache.shape[3] != 2 * self.head_size:
             # MLA latent caches and NVFP4 head-group layouts do not split into per-token K, V.
             raise UnsupportedKVLayout(
-                f"last dim {kv_cache.shape[3]} != 2 * head_size ({self.head_size})")
+                f"last dim {kv_cache.shape[3]} != 2 * head_size ({self.head_size})"
+            )
 
     @abstractmethod
     def offsets(self, kv_cache: torch.Tensor) -> PageOffsets:
         """Where each K / V element of tensors shaped and strided like ``kv_cache`` sits."""
 
     @abstractmethod
-    def read(self, kv_cache: torch.Tensor,
-             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given slots, each ``[len(slots), H, D]`` (a copy)."""
 
     @abstractmethod
-    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+    def write(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Write ``[len(slots), H, D]`` K and V into the given slots."""
 
     @abstractmethod
-    def read_blocks(self, kv_cache: torch.Tensor,
-                    blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_blocks(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every token of the given blocks, ``[len(blocks) * N, H, D]`` each."""
 
     @abstractmethod
-    def write_blocks(self, kv_cache: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
+    def write_blocks(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Fill whole blocks from ``[len(blocks) * N, H, D]`` K and V."""
 
-    def read_range(self, kv_cache: torch.Tensor, block_ids: list[int], start: int,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_range(
+        self, kv_cache: torch.Tensor, block_ids: list[int], start: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (``[num_tokens, H, D]``) of positions ``[start, start + num_tokens)`` of a
         request whose blocks are ``block_ids``: whole blocks the fast way, the rest by slot."""
         bs = kv_cache.shape[2]
         ks, vs = [], []
         for first, stop, whole in _runs(block_ids, start, num_tokens, bs):
-            k, v = (self.read_blocks(kv_cache, whole) if whole is not None
-                    else self.read(kv_cache, slots_for(block_ids, first, stop, bs)))
+            k, v = (
+                self.read_blocks(kv_cache, whole)
+                if whole is not None
+                else self.read(kv_cache, slots_for(block_ids, first, stop, bs))
+            )
             ks.append(k)
             vs.append(v)
         return torch.cat(ks), torch.cat(vs)
 
-    def write_range(self, kv_cache: torch.Tensor, block_ids: list[int], start: int,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_range(
+        self,
+        kv_cache: torch.Tensor,
+        block_ids: list[int],
+        start: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         """Write ``[T, H, D]`` K and V into positions ``[start, start + T)``."""
         bs = kv_cache.shape[2]
         for first, stop, whole in _runs(block_ids, start, k.shape[0], bs):
-            kk, vv = k[first - start:stop - start], v[first - start:stop - start]
+            kk, vv = k[first - start : stop - start], v[first - start : stop - start]
             if whole is not None:
                 self.write_blocks(kv_cache, whole, kk, vv)
             else:
                 self.write(kv_cache, slots_for(block_ids, first, stop, bs), kk, vv)
 
-    def copy_tokens(self, src: torch.Tensor, src_blocks: list[int], src_start: int,
-                    dst: torch.Tensor, dst_blocks: list[int], dst_start: int,
-                    num_tokens: int) -> None:
+    def copy_tokens(
+        self,
+        src: torch.Tensor,
+        src_blocks: list[int],
+        src_start: int,
+        dst: torch.Tensor,
+        dst_blocks: list[int],
+        dst_start: int,
+        num_tokens: int,
+    ) -> None:
         """Copy the KV of ``num_tokens`` positions between two stacks of page tensors of this
         layout, ``[layers, blocks, H, N, C]`` (the paged cache, or donor pages): whole blocks as
         raw pages when both ranges start on a block boundary, anything else token by token."""
@@ -115,16 +138,16 @@ class PageSpec(ABC):
         if src_start % bs == 0 and dst_start % bs == 0 and num_tokens >= bs:
             whole = num_tokens // bs
             s0, d0 = src_start // bs, dst_start // bs
-            self.copy_blocks(src, src_blocks[s0:s0 + whole], dst, dst_blocks[d0:d0 + whole])
+            self.copy_blocks(src, src_blocks[s0 : s0 + whole], dst, dst_blocks[d0 : d0 + whole])
             done = whole * bs
         if done < num_tokens:
             for src_layer, dst_layer in zip(src, dst):
-                k, v = self.read_range(src_layer, src_blocks, src_start + done,
-                                       num_tokens - done)
+                k, v = self.read_range(src_layer, src_blocks, src_start + done, num_tokens - done)
                 self.write_range(dst_layer, dst_blocks, dst_start + done, k, v)
 
-    def copy_blocks(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor,
-                    dst_blocks: list[int]) -> None:
+    def copy_blocks(
+        self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]
+    ) -> None:
         """``dst[:, d] = src[:, s]`` for each block pair of two ``[layers, blocks, H, N, C]``
         stacks: raw pages, so the same for every layout (quantised KV included). One copy per
         block, all layers at once, no gathered temporary: on CPU a fresh multi-MB temporary
@@ -143,15 +166,14 @@ def _runs(block_ids: list[int], start: int, num_tokens: int, block_size: int):
     if head_end > start:
         pieces.append((start, head_end, None))
     if body_end > head_end:
-        ids = block_ids[head_end // block_size: body_end // block_size]
+        ids = block_ids[head_end // block_size : body_end // block_size]
         pieces.append((head_end, body_end, torch.as_tensor(ids, dtype=torch.long)))
     if end > body_end:
         pieces.append((body_end, end, None))
     return pieces
 
 
-def split_slots(slots: torch.Tensor, block_size: int,
-                device) -> tuple[torch.Tensor, torch.Tensor]:
+def split_slots(slots: torch.Tensor, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Block ids and in-block offsets of ``slots``, on ``device``."""
     slots = slots.to(device=device, dtype=torch.long)
     return slots // block_size, slots % block_size

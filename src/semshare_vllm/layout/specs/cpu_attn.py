@@ -23,8 +23,9 @@ class CpuAttnSpec(PageSpec):
     # ``(k_pos, v_pos)``: ``k_pos[n, d]`` is the flat offset, inside a page's K region, of
     # element d of the page's n-th token (``v_pos`` likewise). None: learnt by calibration for
     # ``cpu_isa``; given: some other kernel's order (and the tests' arbitrary permutations).
-    positions: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False,
-                                                                repr=False)
+    positions: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def _tables(self, kv_cache: torch.Tensor):
         """``(k_pos, k_order), (v_pos, v_order)`` for pages shaped like ``kv_cache``."""
@@ -47,8 +48,10 @@ class CpuAttnSpec(PageSpec):
         except RuntimeError as exc:
             raise UnsupportedKVLayout("KV pages are not contiguous") from exc
         dev = kv_cache.device
-        return ((regions[:, :, 0], k_pos.to(dev), k_order),
-                (regions[:, :, 1], v_pos.to(dev), v_order))
+        return (
+            (regions[:, :, 0], k_pos.to(dev), k_order),
+            (regions[:, :, 1], v_pos.to(dev), v_order),
+        )
 
     def offsets(self, kv_cache: torch.Tensor) -> PageOffsets:
         self.check(kv_cache)
@@ -71,8 +74,9 @@ class CpuAttnSpec(PageSpec):
     def write(self, kv_cache, slots, k, v):
         for (flat, pos, _), src in zip(self._regions(kv_cache), (k, v)):
             blocks, offsets = split_slots(slots, kv_cache.shape[2], flat.device)
-            flat[blocks[:, None], :, pos[offsets]] = \
-                src.to(device=flat.device, dtype=flat.dtype).transpose(1, 2)
+            flat[blocks[:, None], :, pos[offsets]] = src.to(
+                device=flat.device, dtype=flat.dtype
+            ).transpose(1, 2)
 
     def read_blocks(self, kv_cache, blocks):
         block_size = kv_cache.shape[2]
@@ -108,8 +112,9 @@ class CpuAttnSpec(PageSpec):
 @functools.lru_cache(maxsize=16)
 def _calibrated(block_size: int, head_size: int, dtype: torch.dtype, isa: str):
     """The calibrated tables with their orders, worked out once per page shape."""
-    return tuple((pos, _page_order(pos))
-                 for pos in calibrate_cpu_pages(block_size, head_size, dtype, isa))
+    return tuple(
+        (pos, _page_order(pos)) for pos in calibrate_cpu_pages(block_size, head_size, dtype, isa)
+    )
 
 
 def _page_order(pos: torch.Tensor):
@@ -125,8 +130,9 @@ def _page_order(pos: torch.Tensor):
 
 
 @functools.lru_cache(maxsize=16)  # one calibration serves every layer of the same shape
-def calibrate_cpu_pages(block_size: int, head_size: int, dtype: torch.dtype,
-                        isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+def calibrate_cpu_pages(
+    block_size: int, head_size: int, dtype: torch.dtype, isa: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where vLLM's CPU cache-write op puts element (n, d) of K and of V inside a page.
 
     Two writes of one block through ``cpu_attn_reshape_and_cache``: one with every element set to
@@ -140,8 +146,9 @@ def calibrate_cpu_pages(block_size: int, head_size: int, dtype: torch.dtype,
     for fill in (n_idx, d_idx):
         page = torch.full((1, 1, block_size, 2 * head_size), -1.0, dtype=dtype)  # one block
         src = fill.to(dtype).contiguous()
-        cpu_attention.write_kv(page, src, src.clone(), torch.arange(block_size, dtype=torch.long),
-                               isa)
+        cpu_attention.write_kv(
+            page, src, src.clone(), torch.arange(block_size, dtype=torch.long), isa
+        )
         found.append(page.view(2, block_size * head_size).float())
     positions = []
     for region in range(2):

@@ -36,16 +36,27 @@ class PageOffsets:
     channel_stride: int | None = None
 
     @classmethod
-    def build(cls, kv_cache: torch.Tensor, k_offsets: torch.Tensor, v_offsets: torch.Tensor,
-              token_stride: int | None = None,
-              channel_stride: int | None = None) -> PageOffsets:
+    def build(
+        cls,
+        kv_cache: torch.Tensor,
+        k_offsets: torch.Tensor,
+        v_offsets: torch.Tensor,
+        token_stride: int | None = None,
+        channel_stride: int | None = None,
+    ) -> PageOffsets:
         """The offsets of ``kv_cache`` given its in-page tables (any integer dtype)."""
-        if max(int(k_offsets.max()), int(v_offsets.max())) >= 2 ** 31:
+        if max(int(k_offsets.max()), int(v_offsets.max())) >= 2**31:
             raise UnsupportedKVLayout("in-page offsets overflow int32")
-        return cls(kv_cache.stride(0), kv_cache.stride(1),
-                   k_offsets.to(device=kv_cache.device, dtype=torch.int32).contiguous(),
-                   v_offsets.to(device=kv_cache.device, dtype=torch.int32).contiguous(),
-                   tuple(kv_cache.shape), tuple(kv_cache.stride()), token_stride, channel_stride)
+        return cls(
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            k_offsets.to(device=kv_cache.device, dtype=torch.int32).contiguous(),
+            v_offsets.to(device=kv_cache.device, dtype=torch.int32).contiguous(),
+            tuple(kv_cache.shape),
+            tuple(kv_cache.stride()),
+            token_stride,
+            channel_stride,
+        )
 
     @property
     def num_heads(self) -> int:
@@ -66,9 +77,16 @@ class PageOffsets:
     def to(self, device: torch.device | str) -> PageOffsets:
         if self.k_offsets.device == torch.device(device):
             return self
-        return PageOffsets(self.block_stride, self.head_stride, self.k_offsets.to(device),
-                           self.v_offsets.to(device), self.shape, self.strides,
-                           self.token_stride, self.channel_stride)
+        return PageOffsets(
+            self.block_stride,
+            self.head_stride,
+            self.k_offsets.to(device),
+            self.v_offsets.to(device),
+            self.shape,
+            self.strides,
+            self.token_stride,
+            self.channel_stride,
+        )
 
     def flat_indices(self, slots: torch.Tensor) -> torch.Tensor:
         """``[M, H, 2*D]`` int64 element offsets of the K then V of each slot, all heads."""

@@ -16,16 +16,20 @@ from .offsets import PageOffsets
 class PackedKVSpec(PageSpec):
     def _split(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.check(kv_cache)
-        return kv_cache[..., :self.head_size], kv_cache[..., self.head_size:]
+        return kv_cache[..., : self.head_size], kv_cache[..., self.head_size :]
 
     def offsets(self, kv_cache: torch.Tensor) -> PageOffsets:
         self.check(kv_cache)
         n = torch.arange(kv_cache.shape[2])[:, None] * kv_cache.stride(2)
         c = torch.arange(kv_cache.shape[3])[None, :] * kv_cache.stride(3)
         d = self.head_size
-        return PageOffsets.build(kv_cache, n + c[:, :d], n + c[:, d:],
-                                 token_stride=kv_cache.stride(2),
-                                 channel_stride=kv_cache.stride(3))
+        return PageOffsets.build(
+            kv_cache,
+            n + c[:, :d],
+            n + c[:, d:],
+            token_stride=kv_cache.stride(2),
+            channel_stride=kv_cache.stride(3),
+        )
 
     def read(self, kv_cache, slots):
         k, v = self._split(kv_cache)
