@@ -157,9 +157,12 @@ class Loads:
         target_pos = spec.dst_start + aligned
         dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens, bs)[target_pos]
         src = torch.as_tensor(src_rows)
+        # The donor's pages are read through their own offsets: the pool is contiguous, the
+        # paged cache may be stride-permuted (vLLM's default GPU layout).
+        src_offsets = repairer.offsets if from_cache else self.kv.store.offsets
         for layers, stack in self.kv.stacks:
             pages = stack if from_cache else self.kv.store.pool[layers]
-            staged = stage_rows(pages, donor_slots, repairer.offsets)  # [layers, rows, H, 2D]
+            staged = stage_rows(pages, donor_slots, src_offsets)  # [layers, rows, H, 2D]
             gather_rearrange(
                 staged,
                 src,

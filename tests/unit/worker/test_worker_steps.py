@@ -92,3 +92,36 @@ def test_a_fault_in_a_load_never_reaches_vllm(monkeypatch):
     assert w.get_block_ids_with_load_errors() == {3, 4}
     assert w.stats.totals["fallbacks"] == 1
     w.shutdown()
+
+
+def test_a_semantic_load_from_the_pool_reads_the_pool_through_its_own_offsets(monkeypatch):
+    """Issue 19, item 1: the paged cache is stride-permuted (vLLM's default GPU layout: a
+    [B, H, N, 2D] view of [B, N, H, 2D] memory) while the host pool is contiguous, so staging the
+    pool's pages with the cache's offsets fails, and the donor was reported bad (and dropped).
+    A semantic load from the pool must move each aligned row to its place, as a copy would."""
+    from semshare_vllm.worker.repair import Repairer
+
+    w = registered_worker(monkeypatch)
+    key = DonorKey("", "d")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
+    )
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"a"})
+    assert w.captures.held(key) is None  # the donor is read from the pool, not its blocks
+    assert w.kv.store.pool[0].stride() != w.kv.caches[0].stride()
+    # No rotation (same positions) and no repair: only where the rows land is checked.
+    w.kv.repairer = Repairer(None, None, w.kv.layout.offsets(w.kv.caches[0]))
+    donor_pos = list(range(40))
+    donor_pos[5] = -1  # one unaligned position: left for the recompute
+    spec = LoadSpec("b", key, 0, 0, 40, [3, 4], donor_pos=donor_pos)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.stats.totals["loaded_tokens"] == 40 and not w.report.bad_donors
+    for cache in w.kv.caches:  # [B, H, N, 2D]
+        got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
+        want = torch.cat([cache[1], cache[2]], dim=1)[:, :40]
+        keep = [p for p in range(40) if p != 5]
+        assert torch.equal(got[:, keep], want[:, keep])
+    w.shutdown()
