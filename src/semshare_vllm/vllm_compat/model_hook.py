@@ -11,7 +11,8 @@ disk and no stack is inspected. If the worker finds no model recorded (a runner 
 know), it says so once and recompute is off (reuse stays exact-prefix).
 
 Touches the model runner classes (``load_model``, and the runner's ``vllm_config`` and ``model``
-attributes after it), by module path (``RUNNERS``). Written against vLLM 0.32 (CPU: V1
+attributes after it; a model inside vLLM's CUDA-graph wrappers is recorded unwrapped), by module
+path (``RUNNERS``). Written against vLLM 0.32 (CPU: V1
 ``CPUModelRunner``); 0.33's source has the same four paths. The plugin entry point
 (``semshare_vllm.plugin``) calls ``install()``.
 """
@@ -66,7 +67,7 @@ def _wrap(cls) -> bool:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         config = getattr(self, "vllm_config", None)
-        model = getattr(self, "model", None)
+        model = _raw_model(getattr(self, "model", None))
         if model is not None and ours(config):
             with _lock:
                 _models[id(config)] = model
@@ -76,6 +77,16 @@ def _wrap(cls) -> bool:
     load_model._semshare_wrapped = True
     cls.load_model = load_model
     return True
+
+
+def _raw_model(model):
+    """The model itself: V1's GPU runner keeps it inside its CUDA-graph wrappers
+    (``CUDAGraphWrapper``, ``UBatchWrapper``), whose ``unwrap()`` returns it, as the runner's
+    own ``get_model()`` does. Looked up on the class: the wrapper forwards unknown attributes
+    to what it wraps."""
+    while model is not None and callable(getattr(type(model), "unwrap", None)):
+        model = model.unwrap()
+    return model
 
 
 def _wrap_module(module) -> list[str]:

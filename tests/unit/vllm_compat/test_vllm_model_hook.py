@@ -62,3 +62,34 @@ def test_the_runner_modules_the_hook_wraps_exist_in_this_vllm():
 
     for module_name, _ in model_hook.RUNNERS:
         assert importlib.util.find_spec(module_name) is not None, module_name
+
+
+def test_a_model_inside_vllms_cuda_graph_wrapper_is_recorded_unwrapped(monkeypatch):
+    """Issue 19, item 2: V1's GPU runner keeps its model inside ``CUDAGraphWrapper`` (its own
+    ``get_model()`` unwraps it); the hook recorded the wrapper, which the layer runner refuses
+    by class, so recompute was always off there. Built without a GPU: the wrapper's
+    constructor needs CUDA graphs, its ``unwrap`` does not."""
+    import weakref
+
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    class Model:
+        pass
+
+    model = Model()
+    wrapper = object.__new__(CUDAGraphWrapper)
+    wrapper.runnable = model
+
+    class Runner:
+        def __init__(self):
+            self.vllm_config = _Config("SemShareConnector")
+
+        def load_model(self):
+            self.model = wrapper
+
+    monkeypatch.setattr(model_hook, "_models", weakref.WeakValueDictionary())
+    monkeypatch.setattr(model_hook, "_runners", weakref.WeakValueDictionary())
+    assert model_hook._wrap(Runner)
+    runner = Runner()
+    runner.load_model()
+    assert model_hook.loaded_model(runner.vllm_config) is model
