@@ -1,20 +1,27 @@
 """Prompt logprobs of a request whose prompt the connector served.
 
-vLLM fills a request's prompt-logprob rows only for the positions it computes: the V1 model
-runner allocates them with ``torch.empty`` and writes from ``num_computed_tokens`` on. That is
-why vLLM turns every prefix cache off for requests that ask for prompt logprobs. A request may
-still ask for both through ``kv_transfer_params`` ``{"semshare_reuse_limit": N}`` (scoring a
-continuation after a reused prompt): the rows of the positions we served then get a marker, never
-uninitialised memory. A marked row holds the prompt's own next token with logprob 0.0 and rank 0,
-a rank vLLM never gives (its ranks start at 1).
+vLLM fills a request's prompt-logprob rows only for the positions it computes. That is why vLLM
+turns every prefix cache off for requests that ask for prompt logprobs. A request may still ask
+for both through ``kv_transfer_params`` ``{"semshare_reuse_limit": N}`` (scoring a continuation
+after a reused prompt): the rows of the positions we served then get a marker, never
+uninitialised memory nor a shifted row. A marked row holds the prompt's own next token with
+logprob 0.0 and rank 0, a rank vLLM never gives (its ranks start at 1).
 
-Touches the V1 model runner's per-request state: ``runner.requests[req_id]`` (a
-``CachedRequestState``: ``prompt_token_ids``, ``in_progress_prompt_logprobs_cpu``),
-``runner.num_prompt_logprobs`` and ``vllm.v1.outputs.LogprobsTensors.empty_cpu``, as
-``GPUModelRunner._get_prompt_logprobs_dict`` uses them (``CPUModelRunner`` inherits it).
-Written against vLLM 0.32's V1 runners. 0.33's V2 GPU runner (its GPU default) keeps prompt
-logprobs elsewhere (``prompt_logprobs_worker``): there nothing is marked, the load is reported
-failed, and vLLM computes and scores the whole prompt.
+Touches two runners' per-request state:
+- V1 (``GPUModelRunner`` in ``gpu_model_runner``, and ``CPUModelRunner`` which inherits it):
+  ``runner.requests[req_id]`` (a ``CachedRequestState``: ``prompt_token_ids``,
+  ``in_progress_prompt_logprobs_cpu``), ``runner.num_prompt_logprobs`` and
+  ``vllm.v1.outputs.LogprobsTensors.empty_cpu``, as ``_get_prompt_logprobs_dict`` uses them. It
+  allocates the rows with ``torch.empty`` and writes from ``num_computed_tokens`` on.
+- V2 (``vllm.v1.worker.gpu.model_runner``, 0.33's GPU default): ``runner.prompt_logprobs_worker``
+  (a ``PromptLogprobsWorker``: ``in_progress_prompt_logprobs[req_id]``, a list of chunks it
+  concatenates, and ``num_prompt_logprobs[req_idx]``) and ``runner.req_states``
+  (``req_id_to_index``, ``all_token_ids.gpu``). It emits rows only from the first computed
+  position on, so without a marker chunk in front the rows would be shifted onto the wrong
+  prompt tokens.
+Written against vLLM 0.32's runners; 0.33's ``PromptLogprobsWorker`` is the same code. Where
+neither shape is found, nothing is marked, the load is reported failed, and vLLM computes and
+scores the whole prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +33,13 @@ def mark_served_rows(model_runner, req_id: str, until: int) -> bool:
     """Mark rows ``[0, until)`` of the request's prompt logprobs (row ``i`` scores prompt token
     ``i + 1``) before vLLM computes the others. False when this runner keeps no such rows where
     we expect them (another runner version): the caller must then not serve the request."""
+    worker = getattr(model_runner, "prompt_logprobs_worker", None)
+    if worker is not None:
+        return _mark_v2(model_runner, worker, req_id, until)
+    return _mark_v1(model_runner, req_id, until)
+
+
+def _mark_v1(model_runner, req_id: str, until: int) -> bool:
     state = getattr(model_runner, "requests", {}).get(req_id)
     wanted = getattr(model_runner, "num_prompt_logprobs", {}).get(req_id)
     if (
@@ -46,4 +60,33 @@ def mark_served_rows(model_runner, req_id: str, until: int) -> bool:
     rows.logprob_token_ids[:until] = following[:, None]
     rows.logprobs[:until] = 0.0
     rows.selected_token_ranks[:until] = 0
+    return True
+
+
+def _mark_v2(model_runner, worker, req_id: str, until: int) -> bool:
+    chunks = getattr(worker, "in_progress_prompt_logprobs", {}).get(req_id)
+    states = getattr(model_runner, "req_states", None)
+    req_idx = getattr(states, "req_id_to_index", {}).get(req_id)
+    # Nothing may be computed yet (our chunk must come first), and the width of a row must be
+    # known now: -1 (the whole vocabulary) is sized by the logits, so it is not served.
+    if chunks is None or chunks or req_idx is None:
+        return False
+    wanted = int(worker.num_prompt_logprobs[req_idx])
+    scored = getattr(worker, "token_id_scores", {}).get(req_id)
+    # fixed-token scoring from a row we serve would be dropped by vLLM, so do not serve it
+    if wanted < 0 or (scored is not None and scored.start < until):
+        return False
+    from vllm.v1.outputs import LogprobsTensors
+
+    until = min(until, int(states.prompt_len.np[req_idx]) - 1)
+    # the prompt as the runner holds it; on the device, as vLLM's own chunks are (they are
+    # concatenated with ours)
+    following = states.all_token_ids.gpu[req_idx, 1 : until + 1].to(worker.device, torch.int64)
+    chunks.append(
+        LogprobsTensors(
+            logprob_token_ids=following[:, None].expand(-1, wanted + 1).contiguous(),
+            logprobs=torch.zeros(until, wanted + 1, dtype=torch.float32, device=worker.device),
+            selected_token_ranks=torch.zeros(until, dtype=torch.int64, device=worker.device),
+        )
+    )
     return True
