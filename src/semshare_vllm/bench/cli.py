@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip scoring the held-out references (two prompt-logprob requests per target)",
     )
+    p.add_argument(
+        "--no-noise-floor",
+        dest="noise_floor",
+        action="store_false",
+        help="skip the noise floor (each target cold once more, beside another request)",
+    )
     p.add_argument("--out", default="semshare-bench.json", help="JSON result file")
     p.add_argument("--plots", help="directory for PNG plots (needs matplotlib)")
     args = p.parse_args(argv)
@@ -159,6 +165,7 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
                 args.donor_wait_s,
                 progress,
                 perplexity=args.perplexity,
+                noise_floor=args.noise_floor,
             )
         finally:
             progress.close()

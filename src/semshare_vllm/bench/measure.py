@@ -1,11 +1,13 @@
-"""Send a workload and measure each target twice on the same server: cold (the connector opted
-out through ``kv_transfer_params`` and a fresh ``cache_salt``, so neither the connector nor vLLM's
-own prefix cache reuses anything) and through the connector. The two go in alternating order so
-that a drifting machine favours neither."""
+"""Send a workload and measure each target on the same server: cold (the connector opted out
+through ``kv_transfer_params`` and a fresh ``cache_salt``, so neither the connector nor vLLM's own
+prefix cache reuses anything) and through the connector, in alternating order so that a drifting
+machine favours neither; then, for the noise floor, cold once more beside another request (what
+exact computation itself varies by: a repeat in another batch composition)."""
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ class Measured:
     cold_nll: float | None = None
     served_nll: float | None = None
     scored_tokens: int = 0
+    # the target cold again, beside another request (None: no noise floor measured)
+    noise: Completion | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -126,23 +130,52 @@ def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
     m.scored_tokens = _claimed(endpoint, before)
 
 
+def _cold(endpoint: Endpoint, prompt: str, max_tokens: int, salt: str | None = None) -> Completion:
+    salt = salt or f"semshare-bench-cold-{uuid.uuid4().hex}"
+    return endpoint.complete(prompt, max_tokens, cache_salt=salt, kv_transfer_params=OPT_OUT)
+
+
+def cold_beside_another(endpoint: Endpoint, prompt: str, max_tokens: int) -> Completion:
+    """The prompt cold again while another cold request runs, so that vLLM batches the two:
+    what exact computation itself varies by, the floor every fidelity figure is read against."""
+    from semshare_vllm.testbed.text import wiki_document
+
+    def other():
+        try:  # its answer is not measured; only its place in the batch matters
+            _cold(endpoint, wiki_document(29, 400), max_tokens)
+        except Exception:  # noqa: BLE001
+            pass
+
+    beside = threading.Thread(target=other, daemon=True)
+    beside.start()
+    try:
+        return _cold(endpoint, prompt, max_tokens)
+    finally:
+        beside.join()
+
+
 def measure_target(
-    endpoint: Endpoint, r: BenchRequest, max_tokens: int, cold_first: bool, perplexity: bool = True
+    endpoint: Endpoint,
+    r: BenchRequest,
+    max_tokens: int,
+    cold_first: bool,
+    perplexity: bool = True,
+    noise_floor: bool = True,
 ) -> Measured:
     """One target cold (opted out, its own salt) and served, in the order given (callers
-    alternate it); with ``perplexity``, its reference then scored both ways."""
+    alternate it); with ``noise_floor``, cold again beside another request; with
+    ``perplexity``, its reference then scored both ways."""
     salt = f"semshare-bench-cold-{uuid.uuid4().hex}"
 
-    def cold():
-        return endpoint.complete(r.prompt, max_tokens, cache_salt=salt, kv_transfer_params=OPT_OUT)
-
     if cold_first:
-        c = cold()
+        c = _cold(endpoint, r.prompt, max_tokens, salt)
         s, claimed = _served(endpoint, r.prompt, max_tokens)
     else:
         s, claimed = _served(endpoint, r.prompt, max_tokens)
-        c = cold()
+        c = _cold(endpoint, r.prompt, max_tokens, salt)
     m = Measured(r, c, s, claimed)
+    if noise_floor:
+        m.noise = cold_beside_another(endpoint, r.prompt, max_tokens)
     if perplexity and r.reference:
         _score(endpoint, m, salt)
     return m
@@ -155,10 +188,11 @@ def run(
     donor_wait_s: float = 60.0,
     on_result: Callable[[Measured, int, int], None] | None = None,
     perplexity: bool = True,
+    noise_floor: bool = True,
 ) -> list[Measured]:
-    """Donors of each group first, then its targets (cold and served; with ``perplexity``, then
-    their reference scored both ways). A KeyboardInterrupt stops the run; what was measured so
-    far is returned."""
+    """Donors of each group first, then its targets (cold and served; with ``noise_floor``, cold
+    again beside another request; with ``perplexity``, their reference scored both ways). A
+    KeyboardInterrupt stops the run; what was measured so far is returned."""
     groups: dict[str, list[BenchRequest]] = {}
     for r in requests:
         groups.setdefault(r.group, []).append(r)
@@ -177,7 +211,12 @@ def run(
             for r in (r for r in members if r.role == "target"):
                 out.append(
                     measure_target(
-                        endpoint, r, max_tokens, cold_first=len(out) % 2 == 1, perplexity=perplexity
+                        endpoint,
+                        r,
+                        max_tokens,
+                        cold_first=len(out) % 2 == 1,
+                        perplexity=perplexity,
+                        noise_floor=noise_floor,
                     )
                 )
                 if on_result is not None:

@@ -70,6 +70,10 @@ def summarize(results: list[Measured]) -> dict:
             "rouge_l_hits": statistics.median(rouge_l(m.served.text, m.cold.text) for m in hits)
             if hits
             else None,
+            # cold against cold (beside another request): the floor ROUGE-L (hits) is read against
+            "rouge_l_noise_floor": _median(
+                rouge_l(m.noise.text, m.cold.text) for m in rows if m.noise is not None
+            ),
             "perplexity_ratio_hits": _median(m.perplexity_ratio for m in hits),
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
@@ -132,6 +136,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "semshare_e2el_ms": m.served.total_s * 1e3,
             "cold_output": m.cold.text,
             "semshare_output": m.served.text,
+            "noise_output": None if m.noise is None else m.noise.text,
             "reference_nll_cold": m.cold_nll,
             "reference_nll_semshare": m.served_nll,
             "reference_connector_tokens": m.scored_tokens,
@@ -149,9 +154,9 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
     """A console table: one row per context length and workload."""
     lines = [
         "| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
-        "| blended | miss overhead | ROUGE-L (hits) | PPL ratio (hits) "
+        "| blended | miss overhead | ROUGE-L (hits) | ROUGE-L noise floor | PPL ratio (hits) "
         "| accuracy (served / cold) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
@@ -167,6 +172,7 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s['hit_only_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['blended_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['miss_overhead'], '+.1%')} | {_fmt(s['rouge_l_hits'], '.2f')} | "
+                f"{_fmt(s['rouge_l_noise_floor'], '.2f')} | "
                 f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} |"
             )
     return "\n".join(lines)

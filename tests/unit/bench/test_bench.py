@@ -123,6 +123,55 @@ def test_a_server_without_the_connector_is_refused(capsys):
     assert "does not run the SemShare connector" in capsys.readouterr().err
 
 
+class RecordingEndpoint:
+    """Answers like a server whose every cold completion of the target is the same text, except
+    the one computed beside another request; records what was in flight at each request."""
+
+    def __init__(self):
+        self.lock, self.in_flight, self.sent, self.lookups = threading.Lock(), 0, [], 0
+
+    def counters(self):
+        self.lookups += 1
+        return {"lookups": self.lookups, "hit_tokens": 0}
+
+    def complete(self, prompt, max_tokens=16, cache_salt=None, kv_transfer_params=None):
+        import time
+
+        from semshare_vllm.bench.client import Completion
+
+        with self.lock:
+            self.in_flight += 1
+            beside = self.in_flight > 1
+            self.sent.append((prompt, cache_salt, kv_transfer_params, beside))
+        time.sleep(0.05)
+        with self.lock:
+            self.in_flight -= 1
+        text = "the answer varies here" if beside and prompt == "P" else "the answer is here"
+        return Completion(text, 0.01, 0.02, 0, 10)
+
+
+def test_the_noise_floor_is_the_target_cold_again_beside_another_request():
+    from semshare_vllm.bench import report
+    from semshare_vllm.bench.measure import OPT_OUT, measure_target
+    from semshare_vllm.bench.workloads import BenchRequest
+
+    endpoint = RecordingEndpoint()
+    request = BenchRequest(prompt="P", group="g", role="target", workload="w")
+    m = measure_target(endpoint, request, 4, cold_first=True, perplexity=False)
+    colds = [x for x in endpoint.sent if x[0] == "P" and x[2] == OPT_OUT]
+    assert len(colds) == 2 and colds[0][1] != colds[1][1]  # each cold its own salt
+    assert not colds[0][3] and colds[1][3]  # the second one shared the engine with another
+    assert m.noise.text == "the answer varies here"
+    summary = report.summarize([m])["w"]
+    assert summary["rouge_l_noise_floor"] == pytest.approx(0.75)
+    assert "| 0.75 |" in report.table({512: {"w": summary}})
+    skipped = measure_target(
+        endpoint, request, 4, cold_first=True, perplexity=False, noise_floor=False
+    )
+    assert skipped.noise is None
+    assert report.summarize([skipped])["w"]["rouge_l_noise_floor"] is None
+
+
 @pytest.mark.engine
 def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys):
     out, plots = tmp_path / "r.json", tmp_path / "plots"
@@ -161,7 +210,8 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     assert by["rag-reorder"]["perplexity_ratio_hits"] is None
     assert set(by["edit"]["by_edit_level"]) == {f"{x:.1f}" for x in W.EDIT_LEVELS}
     rows = result["results"]["512"]["requests"]
-    assert all(r["cold_output"] and r["semshare_output"] for r in rows)
+    assert all(r["cold_output"] and r["semshare_output"] and r["noise_output"] for r in rows)
+    assert all(0.0 <= s["rouge_l_noise_floor"] <= 1.0 for s in by.values())
     assert "| 512 | cross-instruction |" in printed
     assert (plots / "ttft_vs_context.png").stat().st_size > 1000
     assert (plots / "fidelity_vs_edit.png").stat().st_size > 1000
