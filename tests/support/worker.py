@@ -28,10 +28,8 @@ def geometry(**kw):
     return KVGeometry(**base)
 
 
-def fake_layer(bound):
-    return SimpleNamespace(
-        attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"), kv_cache=bound
-    )
+def fake_layer(bound, backend="FLASH_ATTN"):
+    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend), kv_cache=bound)
 
 
 def caches(kernel_bs=BS):
@@ -46,15 +44,14 @@ def caches(kernel_bs=BS):
     return out
 
 
-def make_worker(monkeypatch, geom=None, config=None, bound=None):
+def make_worker(monkeypatch, geom=None, config=None, bound=None, backend="FLASH_ATTN"):
     bound = bound or {}
-    ctx = {name: fake_layer(bound.get(name)) for name in LAYERS}
+    geom = geom or geometry()
+    ctx = {name: fake_layer(bound.get(name), backend) for name in geom.layer_names}
     vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
     # No vLLM distributed state here: rank 0, the pool a stand-in, nothing else is built.
     monkeypatch.setattr(setup.tensor_parallel, "tp_rank", lambda: 0)
     monkeypatch.setattr(
         setup, "make_store", lambda *a: SimpleNamespace(capacity_bytes=1 << 20, close=lambda: None)
     )
-    return SemShareWorker(
-        config or SemShareConfig(recompute_policy="none"), geom or geometry(), vllm_config
-    )
+    return SemShareWorker(config or SemShareConfig(recompute_policy="none"), geom, vllm_config)

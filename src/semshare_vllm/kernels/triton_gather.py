@@ -127,8 +127,11 @@ def _gather_rearrange_kernel(
             )
             keep = (src_pos == dst_pos)[:, None] | (~rotated)[None, :]
     for h in range(num_heads):
-        src_head = src_row + h * src_stride_h
-        dst_head = dst_page + h * head_stride
+        # The loop index is int32, and so is a stride that fits one: where heads are outside
+        # blocks (vLLM's LHBNC layout) h * head_stride passes 2**31 on a large cache.
+        head = tl.cast(h, tl.int64)
+        src_head = src_row + head * src_stride_h
+        dst_head = dst_page + head * head_stride
         v = tl.load(src_head + (HEAD_SIZE + d[None, :]) * src_stride_c, mask=ok)
         if SPLIT:
             x1 = tl.load(src_head + i[None, :] * src_stride_c, mask=i_ok)

@@ -159,3 +159,47 @@ else:
             assert_matches(g_, w)
         assert any(bool(w.abs().sum() > 0) for w in want)
         assert len(launches[0]) == (1 if arrangement == "uniform" else L)
+
+    # Run in its own process: a wrong address there is a crash (a segfault under the
+    # interpreter, an illegal access poisoning the CUDA context), not a failed assert.
+    _FAR_HEADS = """
+import sys, torch
+from semshare_vllm.kernels.gather_rearrange import gather_rearrange
+from semshare_vllm.layout.specs import page_spec
+
+device, heads, n, d = sys.argv[1], 3, 16, 64
+blocks = (1 << 30) // (n * 2 * d) + 1  # head stride just past 2**30 elements
+try:  # ~6.4 GB, never touched but for the pages written: lazily mapped on CPU
+    raw = torch.empty(heads * blocks * n * 2 * d, dtype=torch.float16, device=device)
+except (RuntimeError, MemoryError) as exc:
+    print("SKIP", exc)
+    sys.exit(0)
+cache = raw.view(heads, blocks, n, 2 * d).permute(1, 0, 2, 3)  # LHBNC: [B, H, N, C] of [H, B, N, C]
+assert (heads - 1) * cache.stride(1) >= 2**31 > cache.stride(1)
+g = torch.Generator().manual_seed(0)
+src = torch.randn(1, 5, heads, 2 * d, generator=g).half().to(device)
+slots = torch.tensor([0, 17, 5000, (blocks - 1) * n, (blocks - 1) * n + 3], device=device)
+offsets = page_spec("FLASH_ATTN", d).offsets(cache)
+gather_rearrange(src, torch.arange(5, device=device), slots, [cache], offsets, impl="triton")
+for m, s in enumerate(slots.tolist()):
+    assert torch.equal(cache[s // n, :, s % n], src[0, m]), (m, s)
+print("OK")
+"""
+
+    def test_gather_kernel_addresses_heads_past_int32():
+        """vLLM 0.33's LHBNC layout (``VLLM_KV_CACHE_LAYOUT=LHBNC``, which FLASH_ATTN and
+        TRITON_ATTN accept) puts each head's pages of a layer in one run, so the head stride is
+        B * N * C elements: on a large cache, head h's offset passes 2**31 while the stride
+        itself fits an int32. The kernel must address it in 64 bits."""
+        proc = subprocess.run(
+            [sys.executable, "-c", _FAR_HEADS, DEVICE],
+            env={**os.environ, "TRITON_INTERPRET": "0" if ON_CUDA else "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if proc.stdout.startswith("SKIP"):
+            pytest.skip(f"no room for a 6.4 GB cache here: {proc.stdout}")
+        assert proc.returncode == 0 and proc.stdout.strip() == "OK", (
+            f"rc={proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+        )
