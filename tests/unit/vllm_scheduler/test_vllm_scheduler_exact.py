@@ -4,6 +4,7 @@ claim, the metadata the worker receives, and the donors' captures (blocks held, 
 import pytest
 from support.tokens import random_id_list as ids
 from support.vllm_engine_core import EngineCore, engine_config
+from vllm.v1.outputs import KVConnectorOutput
 
 
 @pytest.fixture(params=[True, False], ids=["prefix-caching", "no-prefix-caching"])
@@ -70,5 +71,49 @@ def test_a_claim_continues_vllms_own_prefix_cache_hit():
     assert (load.src_start, load.dst_start, load.num_tokens) == (4 * bs, 4 * bs, end - 4 * bs)
     assert load.block_ids == list(new.block_ids[0])
     core.capture(target)
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_with_two_steps_in_flight_a_donor_held_for_its_capture_serves_a_new_request():
+    """CUDA's default: async scheduling, the engine core scheduling a step before the last one's
+    output is processed, vLLM deferring frees. The donor's blocks stay held until the worker
+    reports the capture; a request arriving meanwhile is served from the donor into other
+    blocks (the worker captures before it loads, in the same step)."""
+    core = EngineCore(engine_config(prefix_caching=False, async_scheduling=True))
+    assert type(core.scheduler).__name__ == "AsyncScheduler" and core.scheduler.defer_block_free
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 21), max_tokens=4))
+    captures = []
+    for _ in range(30):
+        out = core.pipeline()
+        if out is not None:
+            captures += out.kv_connector_metadata.captures
+        if captures:
+            break
+    (spec,) = captures
+    assert donor.is_finished() and spec.req_id == donor.request_id
+    held = core.block_ids(donor.request_id)
+    assert spec.block_ids == held[: len(spec.block_ids)]
+
+    prompt = list(donor.prompt_token_ids[: 9 * bs]) + ids(7, 22)
+    target = core.add(core.request(prompt))
+    out = core.pipeline()
+    assert out is not None and target.request_id in out.num_scheduled_tokens
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.key, load.dst_start, load.num_tokens) == (spec.key, 0, 9 * bs)
+    assert not set(load.block_ids) & set(held)  # the held blocks are not handed out
+    assert core.block_ids(donor.request_id) == held  # still held: no capture reported yet
+
+    core.drain(KVConnectorOutput(finished_sending={donor.request_id}))
+    for _ in range(30):
+        if target.is_finished():
+            break
+        core.pipeline()
+    assert target.is_finished()
+    core.drain()
+    captures = [c for c in core.step().kv_connector_metadata.captures]
+    assert [c.req_id for c in captures] == [target.request_id]  # a donor in its turn
+    core.step(KVConnectorOutput(finished_sending={target.request_id}))
     core.connector.shutdown()
     core.assert_empty()

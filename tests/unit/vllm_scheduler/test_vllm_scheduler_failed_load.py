@@ -84,3 +84,37 @@ def test_a_failed_load_behind_vllms_own_hit_recomputes_the_claim_only():
     core.run_to_end(target)
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
+    """Async scheduling (CUDA's default), as the engine core runs it (two steps in flight): the
+    failure comes back with the load's step while the request's next step is already
+    scheduled. (Without that overlap, vLLM 0.33's AsyncScheduler keeps the failed step's output
+    placeholder counted and the request never finishes; the engine core never runs it so.)"""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 16)))
+    core.step()
+    key = core.capture(donor).key
+    core.scheduler.reset_prefix_cache()
+
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 17)
+    target = core.add(core.request(prompt, max_tokens=4))
+    (load,) = core.pipeline().kv_connector_metadata.loads
+    ahead = core.pipeline(worker_failure(core, load))  # the next step, then the failed one's
+    assert dict(ahead.num_scheduled_tokens) == {target.request_id: 1}
+    assert core.cached_hits(prompt) == 0 and key not in core.ours.index
+    scheduled, captures = [], []
+    for _ in range(30):
+        if target.is_finished() and not core.in_flight:
+            break
+        out = core.pipeline()
+        if out is not None:
+            scheduled.append(out.num_scheduled_tokens.get(target.request_id, 0))
+            captures += out.kv_connector_metadata.captures
+    assert target.is_finished() and target.num_output_tokens == 4
+    assert max(scheduled) >= len(prompt)  # the whole prompt computed again
+    assert not captures  # never a donor
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()
