@@ -119,6 +119,7 @@ class EngineCore:
         self.connector = self.scheduler.connector  # our SemShareConnector, made by vLLM
         self.ours = self.connector.scheduler  # its scheduler half (SemShareScheduler)
         self._ids = itertools.count()
+        self.acks_captures = False  # the worker's part in ``step``: see there
         self._sampled: dict[int, list[list[int]]] = {}  # per scheduled step: the model's tokens
         self.in_flight: collections.deque = collections.deque()  # pipelined steps (``pipeline``)
 
@@ -171,8 +172,15 @@ class EngineCore:
         return self.scheduler.update_from_output(out, output)
 
     def step(self, kv_output=None):
-        """One engine step: schedule, the (empty) model step answered; the step's output."""
+        """One engine step: schedule, the (empty) model step answered; the step's output.
+        With ``acks_captures`` set, the worker reports each capture of the step done in it."""
+        from vllm.v1.outputs import KVConnectorOutput
+
         out = self.schedule()
+        captured = {c.req_id for c in out.kv_connector_metadata.captures}
+        if self.acks_captures and captured:
+            kv_output = kv_output or KVConnectorOutput()
+            kv_output.finished_sending = (kv_output.finished_sending or set()) | captured
         self.answer(out, kv_output)
         return out
 

@@ -117,3 +117,27 @@ def test_with_two_steps_in_flight_a_donor_held_for_its_capture_serves_a_new_requ
     core.step(KVConnectorOutput(finished_sending={target.request_id}))
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_with_chunked_prefill_the_claim_is_loaded_before_the_first_chunk():
+    """A step budget of 4 blocks: the claim counts as computed at admission, the rest of the
+    prompt is computed in chunks after it, and only the first step carries the load."""
+    core = EngineCore(engine_config(prefix_caching=False, max_batched_tokens=64))
+    core.acks_captures = True
+    bs = core.block_size
+    donor = core.add(core.request(ids(3 * bs + 5, 41), max_tokens=1))
+    core.run_to_end(donor)
+    core.step()
+    prompt = list(donor.prompt_token_ids[: 3 * bs]) + ids(150, 42)
+    target = core.add(core.request(prompt))
+    steps = [core.step() for _ in range(4)]
+    loads = [load for out in steps for load in out.kv_connector_metadata.loads]
+    assert [(load.dst_start, load.num_tokens) for load in loads] == [(0, 3 * bs)]
+    assert steps[0].scheduled_new_reqs[0].num_computed_tokens == 3 * bs
+    chunks = [out.num_scheduled_tokens.get(target.request_id, 0) for out in steps]
+    assert sum(chunks[:3]) >= len(prompt) - 3 * bs and max(chunks) <= 64
+    assert loads[0].block_ids == core.block_ids(target.request_id)[: len(loads[0].block_ids)]
+    core.run_to_end(target)
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()
