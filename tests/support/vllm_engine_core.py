@@ -118,6 +118,15 @@ class EngineCore:
         self.block_hasher = get_request_block_hasher(bs, hash_fn)
         self.connector = self.scheduler.connector  # our SemShareConnector, made by vLLM
         self.ours = self.connector.scheduler  # its scheduler half (SemShareScheduler)
+        # What request_finished answered vLLM, per request: (delay_free, kv_transfer_params).
+        self.finished: dict[str, tuple] = {}
+        answer = self.connector.request_finished
+
+        def request_finished(request, block_ids):
+            self.finished[request.request_id] = result = answer(request, block_ids)
+            return result
+
+        self.connector.request_finished = request_finished
         self._ids = itertools.count()
         self.acks_captures = False  # the worker's part in ``step``: see there
         self._sampled: dict[int, list[list[int]]] = {}  # per scheduled step: the model's tokens
@@ -229,7 +238,8 @@ class EngineCore:
         from vllm.v1.outputs import KVConnectorOutput
 
         self.run_to_end(req)
-        # request_finished said (True, None): vLLM holds the blocks until the worker copied them
+        # vLLM holds the blocks until the worker copied them
+        assert self.finished[req.request_id] == (True, None)
         held = self.block_ids(req.request_id)
         assert req.request_id in self.scheduler.requests
         assert self.connector.has_pending_block_frees()
