@@ -31,6 +31,9 @@ def test_a_prefix_only_the_connector_holds_is_loaded_into_the_blocks_vllm_alloca
     assert new.req_id == target.request_id and new.num_computed_tokens == 7 * bs
     assert out.num_scheduled_tokens[target.request_id] == len(prompt) - 7 * bs
     (load,) = out.kv_connector_metadata.loads
+    # our loads are synchronous: vLLM's runners then start them before the step's forward
+    # (0.33's V1 mixin and V2 runner start loads after it unless this flag is set)
+    assert out.has_sync_kv_loads
     assert (load.key, load.src_start, load.dst_start, load.num_tokens) == (key, 0, 0, 7 * bs)
     assert load.block_ids == list(new.block_ids[0]) == core.block_ids(target.request_id)
     assert load.policy == "none" and not out.kv_connector_metadata.failed_loads
