@@ -15,7 +15,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv models redis lint test demo bench clean vllm033 test-vllm033
+.PHONY: venv models redis lint test demo bench clean vllm033 test-vllm033 check-gpu-install
 
 $(VENV)/.installed: requirements/cpu.lock pyproject.toml
 	python3 -m venv $(VENV)
@@ -81,6 +81,17 @@ test-vllm033: vllm033
 	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest $(VLLM033_TESTS) -v \
 		--ignore=tests/unit/vllm_compat/test_vllm_cpu_attention.py
 
+# The [gpu] extra as users install it (requirements/gpu.lock: CUDA vLLM 0.33.0, torch 2.14.0 and
+# the CUDA stack, about 10 GB) in .venv-gpu, then tests/support/check_gpu_install.py. Runs on
+# machines without a GPU too (nothing runs on one); not part of `make test` for its size.
+VENVGPU ?= .venv-gpu
+check-gpu-install:
+	python3 -m venv $(VENVGPU)
+	$(VENVGPU)/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
+	$(VENVGPU)/bin/uv pip install --python $(VENVGPU)/bin/python --no-deps -r requirements/gpu.lock
+	$(VENVGPU)/bin/uv pip install --python $(VENVGPU)/bin/python --no-deps -e .
+	$(VENVGPU)/bin/python tests/support/check_gpu_install.py
+
 # A short semshare-bench run on a local vllm serve (SmolLM2-135M; the GPU when there is one).
 demo: models
 	$(PY) -m semshare_vllm.bench.cli --launch --workloads cross-instruction,negative \
@@ -90,4 +101,4 @@ bench: models
 	$(PY) benchmarks/exact_prefix_ttft.py
 
 clean:
-	rm -rf $(VENV) $(VENV033)
+	rm -rf $(VENV) $(VENV033) $(VENVGPU)
