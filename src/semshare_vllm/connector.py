@@ -30,6 +30,7 @@ from semshare_vllm.layout.geometry import kv_geometry
 from semshare_vllm.metadata import SemShareConnectorMetadata
 from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.scheduler.planner import Aligner
+from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
 from semshare_vllm.worker import SemShareWorker
 
@@ -89,13 +90,12 @@ class SemShareConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            if geometry.exact_only and not geometry.unsupported:
-                logger.warning("SemShare: exact-prefix reuse only: %s", geometry.exact_only)
-            # Quantised KV (exact_only): no semantic discovery, so no semantic claims.
+            # No semantic hits for this engine (quantised KV, tensor parallelism): no donor
+            # search to run (the scheduler half says why, once).
             stats = StatsRecorder()  # the scheduler half's, which discovery and the feed share
             discovery = (
                 None
-                if geometry.unsupported or geometry.exact_only
+                if geometry.unsupported or semantic_refusal(self.config, geometry)
                 else build_discovery(self.config, vllm_config.model_config.tokenizer, stats)
             )
             aligner = (

@@ -84,3 +84,11 @@ class RecomputeConfig(Section):
         "the paper; an independent reimplementation uses 32).",
         minimum=1,
     )
+    tp_semantic_reuse: bool = knob(
+        False,
+        "Serve semantic hits when tensor_parallel_size > 1. Every rank then recomputes the same "
+        "positions (the policy's scores are summed over the ranks before it chooses) and a load "
+        "or repair that fails on one rank fails on all. Tested end to end on vLLM's CPU build "
+        "at TP=2 only, not yet with CUDA on several GPUs. Off: under tensor parallelism, "
+        "exact-prefix reuse only (one warning at start-up). No effect at TP=1.",
+    )

@@ -50,6 +50,8 @@ COUNTERS: dict[str, str] = {
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
+    "tp_peer_failures": "loads failed on this tensor-parallel rank because they failed on "
+    "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",
     "load_ms": "milliseconds spent loading donor KV",

@@ -14,6 +14,15 @@ measuring on the way what the policy (``policy.Selection``) asked for: each posi
 deviation from the donor K/V it replaces, the attention the last tokens pay. After each layer
 the policy may narrow S; the hidden states of the positions it keeps flow to the next layer.
 
+Under tensor parallelism every rank runs the same recompute over its own KV heads, and the
+layers' row-parallel all-reduces sum the ranks' shares of the same tokens: so what a layer
+measured is summed over the ranks before the policy chooses (``vllm_compat.tensor_parallel``),
+and every rank keeps the same positions. A fault inside the stand-in on one rank must not keep
+that rank from the collectives the others enter: it is recorded, the layers run on (on zeros),
+and the recompute raises ``RecomputeFault`` at the end, on that rank; the ranks then agree that
+the load failed (``worker/loads.py``). A fault in the model's own code between its collectives
+(out of memory in an MLP, say) cannot be contained this way.
+
 vLLM's attention layer cannot be called here (it needs the step's forward-context metadata).
 Where the layer's backend is CPU_ATTN and the recomputed positions are the context's last ones
 (a prefill's shape), vLLM's own CPU kernels write the cache and attend over the paged cache
@@ -37,7 +46,7 @@ import torch.nn.functional as F
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
 from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
-from semshare_vllm.vllm_compat import cpu_attention
+from semshare_vllm.vllm_compat import cpu_attention, tensor_parallel
 from semshare_vllm.vllm_compat.decoder_layers import (
     DecoderLayer,
     UnsupportedModel,
@@ -117,10 +126,26 @@ class _RecomputeAttention(torch.nn.Module):
         self.slots, self.context = slots, context
         self.want_deviation, self.tail = want_deviation, tail
         self.probe_only = probe_only
-        self.deviation: torch.Tensor | None = None
+        # Deviation as its two sums over this rank's heads, [S] each: the ranks add them up
+        # apart (LayerRunner._probe), so the ratio is the one over every head.
+        self.deviation_parts: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention: torch.Tensor | None = None
+        self.fault: Exception | None = None
 
     def forward(self, query, key, value, *args, **kwargs):
+        try:
+            return self._attend(query, key, value)
+        except _Probed:
+            raise
+        except Exception as exc:
+            # The layer's o_proj all-reduces next on every other rank: go on with zeros (this
+            # recompute is failed at its end), and stop where the others stop.
+            self.fault = exc
+            if self.probe_only:
+                raise _Probed from exc
+            return query.new_zeros(query.shape[0], self.layer.num_heads * self.layer.head_size)
+
+    def _attend(self, query, key, value):
         lay = self.layer
         s = query.shape[0]
         q = query.view(s, lay.num_heads, lay.head_size)
@@ -132,9 +157,7 @@ class _RecomputeAttention(torch.nn.Module):
             diff = (k32 - k_old.float()).square().sum((1, 2)) + (v32 - v_old.float()).square().sum(
                 (1, 2)
             )
-            self.deviation = diff / (k32.square().sum((1, 2)) + v32.square().sum((1, 2))).clamp_min(
-                1e-12
-            )
+            self.deviation_parts = (diff, k32.square().sum((1, 2)) + v32.square().sum((1, 2)))
         kernel = (
             lay.cpu_isa is not None
             and _is_tail(self.positions, self.context)
@@ -157,6 +180,11 @@ class _RecomputeAttention(torch.nn.Module):
             if not kernel:
                 out = attend(q, k_all, v_all, self.positions, lay.scale)
         return out.reshape(s, lay.num_heads * lay.head_size)
+
+
+class RecomputeFault(RuntimeError):
+    """The stand-in failed in some layer on this rank; the layers ran on so that this rank kept
+    up with the others' collectives, and what they computed is not to be used."""
 
 
 class _Probed(Exception):
@@ -255,7 +283,7 @@ class LayerRunner:
         all_slots = slots_for(block_ids, 0, context, bs).to(self.device)
         ids = torch.as_tensor(token_ids[:context], dtype=torch.long, device=self.device)
         hidden, residual = self.embed(ids[pos]), None
-        counts = []
+        counts, fault = [], None
         for index, lay in enumerate(self.layers):
             want_dev, want_attn = selection.wants_probe(index)
             probe_first = selection.narrows_at(index) and (want_dev or want_attn)
@@ -278,13 +306,8 @@ class LayerRunner:
             else:
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
-            probe = LayerProbe(
-                index,
-                pos_np,
-                None if stand_in.deviation is None else stand_in.deviation.cpu().numpy(),
-                None if stand_in.attention is None else stand_in.attention.cpu().numpy(),
-            )
-            keep = selection.after_layer(probe)
+            fault = fault or stand_in.fault
+            keep = selection.after_layer(self._probe(index, pos_np, stand_in, context))
             if keep is not None and len(keep) < len(pos_np):
                 pos_np = pos_np[keep]
                 keep_t = torch.as_tensor(keep, device=self.device)
@@ -296,10 +319,42 @@ class LayerRunner:
                 )
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
+                fault = fault or stand_in.fault
+        if fault is not None:
+            raise RecomputeFault(f"{type(fault).__name__}: {fault}") from fault
         final = None
         if final_hidden:
             final = self.stack.final_norm(hidden, residual)
         return RecomputeResult(pos_np, final, counts)
+
+    @staticmethod
+    def _probe(
+        index: int, positions: np.ndarray, stand_in: _RecomputeAttention, context: int
+    ) -> LayerProbe:
+        """What the layer measured, each score summed over the tensor-parallel ranks' heads
+        (one collective, where there are several ranks), so that every rank's selection ranks
+        the same numbers and keeps the same positions. A rank whose stand-in failed adds zeros
+        of the same shapes: the ranks' collectives must match."""
+        want_deviation, tail = stand_in.want_deviation, stand_in.tail
+        if not want_deviation and not tail:
+            return LayerProbe(index, positions, None, None)
+        s = len(positions)
+        parts = []
+        if want_deviation:
+            parts.extend(stand_in.deviation_parts or (torch.zeros(s), torch.zeros(s)))
+        if tail:
+            parts.append(
+                stand_in.attention if stand_in.attention is not None else torch.zeros(context)
+            )
+        summed = tensor_parallel.all_reduce_scores(
+            torch.cat([p.detach().float().cpu().reshape(-1) for p in parts])
+        )
+        deviation = attention = None
+        if want_deviation:
+            deviation = (summed[:s] / summed[s : 2 * s].clamp_min(1e-12)).numpy()
+        if tail:
+            attention = summed[-context:].numpy()
+        return LayerProbe(index, positions, deviation, attention)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from semshare_vllm.scheduler.request_params import (
     wants_prompt_logprobs,
 )
 from semshare_vllm.scheduler.request_state import RequestState
+from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
@@ -69,7 +70,10 @@ class SemShareScheduler:
         self.geometry = geometry
         # the same recorder discovery and the feed count into, from their own threads
         self.stats = StatsRecorder() if stats is None else stats
-        self.discovery = None if geometry.unsupported else discovery
+        # Exact prefixes only (quantised KV, tensor parallelism): no donor search, so no
+        # semantic claim.
+        refused = semantic_refusal(config, geometry)
+        self.discovery = None if geometry.unsupported or refused else discovery
         policy = make_policy(
             config.eviction_policy,
             half_life_s=config.decay_half_life_s,
@@ -116,7 +120,10 @@ class SemShareScheduler:
                 "SemShare disabled for this model: %s; requests are computed as usual",
                 geometry.unsupported,
             )
-        elif root is not None:
+            return
+        if refused:
+            logger.warning("SemShare: exact-prefix reuse only: %s", refused)
+        if root is not None:
             restore(root, geometry, self.catalog, self.search, self.stats)
 
     @property

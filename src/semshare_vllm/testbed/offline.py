@@ -55,10 +55,13 @@ def connector_halves(llm):
     """(scheduler half, worker half) of an in-process engine's SemShare connector."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return (
-        llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler,
-        get_kv_transfer_group().worker,
-    )
+    return scheduler_half(llm), get_kv_transfer_group().worker
+
+
+def scheduler_half(llm):
+    """The scheduler half of an engine whose engine core runs in this process (its worker halves
+    may not: with tensor parallelism they are in the worker processes, ``worker_rpc``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
 
 
 def run(llm, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict[str, Any]:

@@ -8,6 +8,14 @@ when only that holds it.
 
 A load that cannot be done reports its blocks through ``get_block_ids_with_load_errors``, so
 vLLM recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
+
+Under tensor parallelism every worker runs the same loads, in the same order, each over its own
+KV heads. The ranks agree twice per load (``vllm_compat.tensor_parallel.all_agree``): after the
+copy and the repair's plan (all that can fail before the repair's first collective), and after
+the repair. A load or repair that failed on one rank is failed on all of them, so every rank
+reports the same blocks and none starts a repair (whose layers run collectives) that another
+skipped. Each step that can fail on one rank only is caught on that rank first, so that every
+rank always reaches both agreements.
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import gather_rearrange, stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
-from semshare_vllm.logs import warn_once
+from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec
+from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.store.host_store import DonorUnavailable
-from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
 from semshare_vllm.worker.capture import Captures
-from semshare_vllm.worker.repair import repair
+from semshare_vllm.worker.repair import plan_repair, repair
 from semshare_vllm.worker.reports import WorkerReport
 from semshare_vllm.worker.setup import WorkerKV
 
@@ -37,6 +46,8 @@ logger = logging.getLogger("vllm.semshare.worker")
 
 class Loads:
     """``kv`` None: this worker holds no store (off), so every load fails for ``off``."""
+
+    logger = logger  # for logs.guarded
 
     def __init__(
         self,
@@ -53,6 +64,33 @@ class Loads:
         self.stats, self.report = stats, report
 
     def load(self, spec: LoadSpec) -> None:
+        """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
+        either failed, here or on another tensor-parallel rank."""
+        here, selection = self._load_here(spec), None
+        if here and spec.policy != "none":
+            selection = self._plan_repair(spec)
+            here = selection is not None
+        agreed = tensor_parallel.all_agree(here)
+        if agreed and selection is not None:
+            here = self._repair_here(spec, selection)
+            agreed = tensor_parallel.all_agree(here)
+        if not agreed:
+            if here:  # only another rank failed: this one's KV is fine, but theirs is not
+                self.stats.add("tp_peer_failures")
+            self.invalidate(spec)
+
+    @guarded("planning a repair", None)
+    def _plan_repair(self, spec: LoadSpec) -> Selection | None:
+        return plan_repair(self.kv.repairer, spec, self.config, self.stats)
+
+    @guarded("repairing a load", False)
+    def _repair_here(self, spec: LoadSpec, selection: Selection) -> bool:
+        return repair(self.kv.repairer, spec, selection, self.stats, self.report)
+
+    @guarded("loading a donor", False)
+    def _load_here(self, spec: LoadSpec) -> bool:
+        """This rank's copy; False where it failed (the fault logged and counted). Never
+        raises: every rank must go on to the agreement."""
         if spec.mark_logprobs_until and not mark_served_rows(
             model_hook.loaded_runner(self._vllm_config), spec.req_id, spec.mark_logprobs_until
         ):
@@ -63,9 +101,8 @@ class Loads:
                 "SemShare: cannot mark the prompt logprobs of request %s; its prompt is computed",
                 spec.req_id,
             )
-            self.invalidate(spec)
             self.stats.add("load_failures")
-            return
+            return False
         t0 = time.perf_counter()
         try:
             if self.kv is None:
@@ -89,16 +126,14 @@ class Loads:
                 spec.req_id,
                 exc,
             )
-            self.invalidate(spec)
             self.report.bad_donors.append(spec.key)
             self.stats.add("load_failures")
-            return
+            return False
         self.stats.add("loaded_tokens", spec.num_tokens)
         if held is not None:
             self.stats.add("block_copied_tokens", spec.num_tokens)
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
-        if spec.policy != "none":
-            repair(self.kv.repairer, spec, self.config, self.stats, self.report)
+        return True
 
     def fail(self, failed: FailedLoad) -> None:
         """A claim the scheduler could not plan: nothing is loaded, vLLM computes it."""

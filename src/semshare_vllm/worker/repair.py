@@ -3,7 +3,8 @@ through the model's own layers, as many as the policy picks, so that approximate
 used as it was loaded.
 
 Unrepaired or half-repaired KV must not be used: whenever the repair cannot run or fails, the
-loaded range is reported failed and vLLM computes those tokens.
+loaded range is reported failed (by the caller, once the tensor-parallel ranks agree:
+``loads.py``) and vLLM computes those tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from semshare_vllm.layout.specs import PageOffsets
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.recompute.layer_runner import LayerRunner
-from semshare_vllm.recompute.policy import make_selection
+from semshare_vllm.recompute.policy import Selection, make_selection
 from semshare_vllm.worker.reports import WorkerReport
 
 logger = logging.getLogger("vllm.semshare.worker")
@@ -36,47 +37,67 @@ class Repairer:
     # RoPE, through one address scheme for this engine's pages.
     rope: RopeTable
     offsets: PageOffsets
+    # Reports the measured deviation to the scheduler: every tensor-parallel rank measures the
+    # same (summed over the ranks), and vLLM concatenates the ranks' reports, so one rank does.
+    reports_deviation: bool = True
 
 
-def repair(
-    repairer: Repairer | None,
-    spec: LoadSpec,
-    config: SemShareConfig,
-    stats: StatsRecorder,
-    report: WorkerReport,
-) -> None:
-    """Recompute what ``spec.policy`` picks of the loaded range, in place in its blocks."""
-    end = spec.dst_start + spec.num_tokens
+def plan_repair(
+    repairer: Repairer | None, spec: LoadSpec, config: SemShareConfig, stats: StatsRecorder
+) -> Selection | None:
+    """The policy's selection over ``spec``'s loaded range, or None where this worker cannot
+    repair it. Everything that can fail before the recompute's first collective happens here,
+    so that the tensor-parallel ranks agree on it before any of them starts (``loads.py``)."""
     if repairer is None:
-        report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
         stats.add("recompute_unavailable_tokens", spec.num_tokens)
-        return
-    t0 = time.perf_counter()
+        return None
     try:
-        selection = make_selection(
+        return make_selection(
             spec.policy,
-            np.arange(spec.dst_start, end),
+            np.arange(spec.dst_start, spec.dst_start + spec.num_tokens),
             np.asarray(spec.always, dtype=np.int64),
             config,
         )
-        result = repairer.runner.recompute(spec.token_ids, spec.block_ids, selection, context=end)
     except Exception as exc:
-        warn_once(
-            logger,
-            "recompute",
-            "SemShare: recompute for request %s failed (%s); its "
-            "loaded tokens are computed by vLLM",
-            spec.req_id,
-            exc,
+        _failed(spec, exc, stats)
+        return None
+
+
+def repair(
+    repairer: Repairer,
+    spec: LoadSpec,
+    selection: Selection,
+    stats: StatsRecorder,
+    report: WorkerReport,
+) -> bool:
+    """Recompute what ``selection`` picks of the loaded range, in place in its blocks; False
+    where it failed (the loaded range must then be reported failed)."""
+    t0 = time.perf_counter()
+    try:
+        result = repairer.runner.recompute(
+            spec.token_ids, spec.block_ids, selection, context=spec.dst_start + spec.num_tokens
         )
-        report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
-        stats.add("recompute_failures")
-        return
+    except Exception as exc:
+        _failed(spec, exc, stats)
+        return False
     if spec.donor_pos is not None and selection.measured is not None:
         # the scheduler's divergence eviction learns from what semantic donors cost
         stats.add("deviation_sum", selection.measured)
         stats.add("deviation_count")
-        report.deviations.append((spec.key, selection.measured))
+        if repairer.reports_deviation:
+            report.deviations.append((spec.key, selection.measured))
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
     stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
+    return True
+
+
+def _failed(spec: LoadSpec, exc: Exception, stats: StatsRecorder) -> None:
+    warn_once(
+        logger,
+        "recompute",
+        "SemShare: recompute for request %s failed (%s); its loaded tokens are computed by vLLM",
+        spec.req_id,
+        exc,
+    )
+    stats.add("recompute_failures")

@@ -68,7 +68,7 @@ def build(
     layout, stacks = layouts.pop(), stack_layers(caches)
     rank = tensor_parallel.tp_rank()
     store = make_store(config, geometry, layout, caches[0], rank)
-    repairer = make_repairer(config, geometry, vllm_config, kv_caches, layout, caches[0])
+    repairer = make_repairer(config, geometry, vllm_config, kv_caches, layout, caches[0], rank)
     tier = make_tier(config, geometry, stats, rank)
     return WorkerKV(caches, stacks, layout, geometry.block_size, store, tier, repairer)
 
@@ -139,6 +139,7 @@ def make_repairer(
     kv_caches: dict[str, torch.Tensor],
     layout: PageSpec,
     cache: torch.Tensor,
+    rank: int = 0,
 ) -> Repairer | None:
     """The layer runner over the model the plugin hook recorded, when recompute is on. Any
     problem turns recompute off with one warning: loads that need repair are then reported
@@ -164,6 +165,7 @@ def make_repairer(
             LayerRunner(model, kv_caches, layout),
             RopeTable.from_model(model),
             layout.offsets(cache),
+            reports_deviation=rank == 0,
         )
     except Exception as exc:
         logger.warning("SemShare: selective recompute is off on this worker: %s", exc)

@@ -1,5 +1,6 @@
 """The scheduler half with hand-built requests (no engine)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -265,7 +266,8 @@ def test_a_captured_donor_is_announced_with_its_embedding():
     from semshare_vllm.discovery.service import Embedded
 
     feed, discovery = FakeFeed(), FakeDiscovery()
-    s = SemShareScheduler(shared_config(), geometry(tp_size=2), discovery, feed=feed)
+    config = dataclasses.replace(shared_config(), tp_semantic_reuse=True)  # (TP=2: a search)
+    s = SemShareScheduler(config, geometry(tp_size=2), discovery, feed=feed)
     donor = list(range(100))
     finish(s, donor, salt="t")
     key = s.build_connector_meta(None).captures[0].key
@@ -384,3 +386,24 @@ def test_exact_only_kv_plans_no_recompute_for_exact_loads():
     s.update_state_after_alloc(target, Blocks(list(range(10, 15))), 128)
     load = s.build_connector_meta(None).loads[0]
     assert load.policy == "none" and load.token_ids == []
+
+
+def test_semantic_claims_are_refused_under_tensor_parallelism_unless_allowed(caplog):
+    """Under tensor parallelism (the ranks' agreement is tested on vLLM's CPU build only) the
+    scheduler runs no donor search, so it claims exact prefixes only, and says so once;
+    ``tp_semantic_reuse`` lets it search. One rank: searched as ever."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.semshare.scheduler"):
+        s = SemShareScheduler(SemShareConfig(), geometry(tp_size=2), FakeDiscovery())
+    assert s.discovery is None and s.search is None
+    (warning,) = [r.getMessage() for r in caplog.records if "tensor" in r.getMessage()]
+    assert "exact-prefix reuse only" in warning and "tp_semantic_reuse" in warning
+    donor = list(range(200))
+    finish(s, donor)
+    s.build_connector_meta(None)
+    assert s.get_num_new_matched_tokens(request("t", donor[:150] + [1, 2, 3]), 0) == (128, False)
+
+    allowed = SemShareConfig(tp_semantic_reuse=True)
+    assert SemShareScheduler(allowed, geometry(tp_size=2), FakeDiscovery()).search is not None
+    assert SemShareScheduler(SemShareConfig(), geometry(), FakeDiscovery()).search is not None
