@@ -5,7 +5,7 @@ is the tokenizer of whichever ``model`` the module uses."""
 
 import pytest
 
-from semshare_vllm.testbed import models
+from semshare_vllm.testbed import models, offline
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,4 @@ def _one_kv_connector_per_module():
     engine reuses if it is still set: each module's engine must leave with its connector (else
     the next module's engine runs with the previous one's worker half, e.g. its geometry)."""
     yield
-    import gc
-
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-
-    gc.collect()
-    ensure_kv_transfer_shutdown()
+    offline.drop_connector()

@@ -60,7 +60,11 @@ def reference(model, cases):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return offline.semshare_llm(model, {"host_store_bytes": "512MiB", "recompute_policy": "all"})
+    # one engine per model param: the first must leave with its connector before the second
+    engine = offline.semshare_llm(model, {"host_store_bytes": "512MiB", "recompute_policy": "all"})
+    yield engine
+    del engine
+    offline.drop_connector()
 
 
 @pytest.fixture

@@ -137,17 +137,23 @@ def _cold(endpoint: Endpoint, prompt: str, max_tokens: int, salt: str | None = N
 
 def cold_beside_another(endpoint: Endpoint, prompt: str, max_tokens: int) -> Completion:
     """The prompt cold again while another cold request runs, so that vLLM batches the two:
-    what exact computation itself varies by, the floor every fidelity figure is read against."""
+    what exact computation itself varies by, the floor every fidelity figure is read against.
+    The other request is sent first (its prompt made beforehand) and outputs more tokens, so that
+    it is still running when this one arrives."""
     from semshare_vllm.testbed.text import wiki_document
 
+    other_prompt, sending = wiki_document(29, 400), threading.Event()
+
     def other():
+        sending.set()
         try:  # its answer is not measured; only its place in the batch matters
-            _cold(endpoint, wiki_document(29, 400), max_tokens)
+            _cold(endpoint, other_prompt, 2 * max_tokens)
         except Exception:  # noqa: BLE001
             pass
 
     beside = threading.Thread(target=other, daemon=True)
     beside.start()
+    sending.wait()
     try:
         return _cold(endpoint, prompt, max_tokens)
     finally:

@@ -58,6 +58,18 @@ def connector_halves(llm):
     return scheduler_half(llm), get_kv_transfer_group().worker
 
 
+def drop_connector() -> None:
+    """Shut down the KV connector of the in-process engine just released: vLLM keeps its worker
+    half in a global that the next engine built in this process would otherwise reuse (with the
+    previous engine's geometry and model)."""
+    import gc
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    gc.collect()
+    ensure_kv_transfer_shutdown()
+
+
 def scheduler_half(llm):
     """The scheduler half of an engine whose engine core runs in this process (its worker halves
     may not: with tensor parallelism they are in the worker processes, ``worker_rpc``)."""

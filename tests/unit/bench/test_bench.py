@@ -124,11 +124,11 @@ def test_a_server_without_the_connector_is_refused(capsys):
 
 
 class RecordingEndpoint:
-    """Answers like a server whose every cold completion of the target is the same text, except
-    the one computed beside another request; records what was in flight at each request."""
+    """Answers like a server whose cold completions of the target are all the same text, except
+    one that ran beside another request; records each request and when it ran."""
 
     def __init__(self):
-        self.lock, self.in_flight, self.sent, self.lookups = threading.Lock(), 0, [], 0
+        self.calls, self.lookups = [], 0  # [prompt, salt, kv_transfer_params, start, end]
 
     def counters(self):
         self.lookups += 1
@@ -139,15 +139,19 @@ class RecordingEndpoint:
 
         from semshare_vllm.bench.client import Completion
 
-        with self.lock:
-            self.in_flight += 1
-            beside = self.in_flight > 1
-            self.sent.append((prompt, cache_salt, kv_transfer_params, beside))
-        time.sleep(0.05)
-        with self.lock:
-            self.in_flight -= 1
-        text = "the answer varies here" if beside and prompt == "P" else "the answer is here"
+        call = [prompt, cache_salt, kv_transfer_params, time.monotonic(), None]
+        self.calls.append(call)
+        time.sleep(0.1 if prompt == "P" else 0.3)  # the other request outlasts the target
+        call[4] = time.monotonic()
+        text = "the answer varies here" if self.beside(call) else "the answer is here"
         return Completion(text, 0.01, 0.02, 0, 10)
+
+    def beside(self, call):
+        """Whether another request ran at some time during ``call``."""
+        return any(
+            other is not call and other[3] < call[4] and (other[4] is None or call[3] < other[4])
+            for other in self.calls
+        )
 
 
 def test_the_noise_floor_is_the_target_cold_again_beside_another_request():
@@ -158,9 +162,9 @@ def test_the_noise_floor_is_the_target_cold_again_beside_another_request():
     endpoint = RecordingEndpoint()
     request = BenchRequest(prompt="P", group="g", role="target", workload="w")
     m = measure_target(endpoint, request, 4, cold_first=True, perplexity=False)
-    colds = [x for x in endpoint.sent if x[0] == "P" and x[2] == OPT_OUT]
+    colds = [c for c in endpoint.calls if c[0] == "P" and c[2] == OPT_OUT]
     assert len(colds) == 2 and colds[0][1] != colds[1][1]  # each cold its own salt
-    assert not colds[0][3] and colds[1][3]  # the second one shared the engine with another
+    assert not endpoint.beside(colds[0]) and endpoint.beside(colds[1])
     assert m.noise.text == "the answer varies here"
     summary = report.summarize([m])["w"]
     assert summary["rouge_l_noise_floor"] == pytest.approx(0.75)
