@@ -199,8 +199,9 @@ class SemShareConnector(KVConnectorBase_V1):
 
     # ---- both ---------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        half = self.scheduler or self.worker
-        return SemShareStats.of(half.stats.take())
+        if self.scheduler is not None:
+            return SemShareStats.of(self.scheduler.take_stats())
+        return SemShareStats.of(self.worker.stats.take())
 
     @classmethod
     def build_kv_connector_stats(

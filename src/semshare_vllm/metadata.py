@@ -40,6 +40,9 @@ class LoadSpec:
     dst_start: int
     num_tokens: int
     block_ids: list[int]
+    # This load's number (the scheduler's, unique in the process): the worker's figures of it
+    # (``RepairReport``) are matched to it, never to another load of the same request.
+    seq: int = 0
     # Repair after the copy (``recompute_policy``): "none" (the KV is exact), else the policy
     # the worker runs over the loaded range, the positions it must always recompute, and the
     # request's token ids from position 0 to the end of the loaded range.
@@ -75,6 +78,21 @@ class FailedLoad:
 
 
 @dataclass
+class RepairReport:
+    """What one repaired load's recompute did, for its request's provenance
+    (``scheduler/provenance.py``)."""
+
+    req_id: str
+    seq: int  # the load's ``LoadSpec.seq``
+    # recomputed token-layers / (loaded tokens x layers): 1.0 when every loaded token was
+    # recomputed in every layer (policy "all")
+    recompute_share: float
+    # the selection's ``measured`` and ``residual`` (None where the policy measured nothing)
+    deviation_before: float | None = None
+    deviation_after: float | None = None
+
+
+@dataclass
 class SemShareConnectorMetadata(KVConnectorMetadata):
     # Order matters: the worker drops evictions, then captures, then loads, so a donor captured
     # this step can already serve a load in the same step.
@@ -86,8 +104,9 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
-    """Donors the worker found unusable (missing, corrupt), which the scheduler forgets; and,
-    once, the bytes the worker's host pool really holds, which caps the scheduler's accounting."""
+    """Donors the worker found unusable (missing, corrupt), which the scheduler forgets; once,
+    the bytes the worker's host pool really holds, which caps the scheduler's accounting; and
+    what each repaired load measured."""
 
     bad_donors: list[DonorKey] = field(default_factory=list)
     capacity_bytes: int | None = None
@@ -98,6 +117,8 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     # once: the worker turned itself off (the reason): the scheduler stops claiming and
     # capturing. Any rank off turns them all off.
     disabled: str | None = None
+    # each load repaired this step (one rank reports them, as the deviations)
+    repairs: list[RepairReport] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -111,4 +132,5 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
             all(ready) if ready else None,
             self.deviations + other.deviations,
             self.disabled or other.disabled,
+            self.repairs + other.repairs,
         )

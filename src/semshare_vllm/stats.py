@@ -1,9 +1,11 @@
-"""The connector's counters (``core/counters.py``) in vLLM's KV-connector stats channel.
+"""The connector's counters and histograms (``core/counters.py``) in vLLM's KV-connector stats
+channel.
 
 Each half counts into its ``StatsRecorder``; the connector hands vLLM the interval's counts as a
 ``SemShareStats``, which vLLM aggregates over the worker and the scheduler per logging interval
 and prints (``reduce()``) as "KV Transfer metrics: ...", and exports to Prometheus
-(``SemSharePromMetrics``).
+(``SemSharePromMetrics``). A histogram travels as the list of its observations (serialisable,
+like NIXL's transfer durations), and lists are merged by concatenation.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from semshare_vllm.core.counters import COUNTERS
+from semshare_vllm.core.counters import COUNTERS, HISTOGRAMS
 
 
 @dataclass
@@ -27,8 +29,14 @@ class SemShareStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {name: 0 for name in COUNTERS}
 
-    def add(self, name: str, value: float = 1) -> None:
-        self.data[name] = self.data.get(name, 0) + value
+    def add(self, name: str, value: float | list[float] = 1) -> None:
+        old = self.data.get(name)
+        if isinstance(value, list):
+            # A new list, never extended in place: vLLM hands one payload to both its logging
+            # accumulator and Prometheus, which must not see each other's observations.
+            self.data[name] = (old if isinstance(old, list) else []) + value
+        else:
+            self.data[name] = (old or 0) + value
 
     def aggregate(self, other: KVConnectorStats) -> "SemShareStats":
         for name, value in other.data.items():
@@ -36,9 +44,14 @@ class SemShareStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {
-            k: round(v, 2) if isinstance(v, float) else v for k, v in self.data.items() if v
-        }
+        out: dict[str, int | float] = {}
+        for name, value in self.data.items():
+            if isinstance(value, list):  # a histogram: how many, and their mean
+                if value:
+                    out[f"{name}_count"] = len(value)
+                    out[f"{name}_mean"] = round(sum(value) / len(value), 3)
+            elif value:
+                out[name] = round(value, 2) if isinstance(value, float) else value
         if self.data.get("lookup_tokens"):
             out["hit_token_rate"] = round(self.data["hit_tokens"] / self.data["lookup_tokens"], 3)
         return out
@@ -47,7 +60,7 @@ class SemShareStats(KVConnectorStats):
         return not any(self.data.values())
 
     @classmethod
-    def of(cls, counts: dict[str, float] | None) -> "SemShareStats | None":
+    def of(cls, counts: dict[str, float | list[float]] | None) -> "SemShareStats | None":
         """An interval's counts (``StatsRecorder.take``) as vLLM's stats object."""
         if not counts:
             return None
@@ -59,7 +72,8 @@ class SemShareStats(KVConnectorStats):
 
 class SemSharePromMetrics(KVConnectorPromMetrics):
     """Every counter as a Prometheus counter ``vllm:semshare_<name>`` (``_total`` appended by
-    the client), per engine, fed from the aggregated stats vLLM's frontend receives."""
+    the client), every histogram as a histogram of the same name, per engine, fed from the
+    aggregated stats vLLM's frontend receives."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -74,9 +88,26 @@ class SemSharePromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
+        self._histograms = {
+            name: create_metric_per_engine(
+                self._histogram_cls(
+                    name=f"vllm:semshare_{name}",
+                    documentation=doc,
+                    buckets=list(buckets),
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for name, (doc, buckets) in HISTOGRAMS.items()
+        }
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if isinstance(value, list):
+                per_engine = self._histograms.get(name)
+                for v in value if per_engine is not None else ():
+                    per_engine[engine_idx].observe(v)
+                continue
             per_engine = self._counters.get(name)
             if per_engine is not None and value and value > 0:
                 per_engine[engine_idx].inc(value)

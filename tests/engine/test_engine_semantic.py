@@ -100,6 +100,10 @@ def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(
         < 0.6 * claimed * 30
     )  # CacheBlend: far from recomputing everything
     assert out["token_ids"][0] == reference["token_ids"][0]
+    # what vllm.LLM hands back (in process): the request's provenance
+    served = out["kv_transfer_params"]["semshare_provenance"]
+    assert served["served"] == "semantic" and served["semantic_tokens"] == claimed
+    assert served["repair_report"] == "received" and 0 < served["recompute_share"] < 0.6
 
     # The same prompt again: vLLM's prefix cache must not serve the approximate blocks as an
     # exact hit. It is a semantic hit again (the approximate request was not made a donor).
@@ -142,6 +146,7 @@ def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(
     assert sched.stats.totals["semantic_hits"] == hits + 1  # planned and claimed...
     assert worker.stats.totals["load_failures"] == failures + 1  # ...the load failed...
     assert got["token_ids"] == references["gone_b"]["token_ids"]  # ...and vLLM computed it
+    assert got["kv_transfer_params"]["semshare_provenance"]["load_failed"] is True
     run(llm, prompts["c"])  # the report comes back
     assert key not in sched.index  # forgotten
 

@@ -120,6 +120,9 @@ class EngineCore:
         self.ours = self.connector.scheduler  # its scheduler half (SemShareScheduler)
         # What request_finished answered vLLM, per request: (delay_free, kv_transfer_params).
         self.finished: dict[str, tuple] = {}
+        # Every EngineCoreOutput vLLM's update_from_output built, in order (what the engine
+        # core sends its frontend).
+        self.outputs: list = []
         answer = self.connector.request_finished
 
         def request_finished(request, block_ids):
@@ -178,7 +181,10 @@ class EngineCore:
             sampled_token_ids=sampled,
             kv_connector_output=kv_output,
         )
-        return self.scheduler.update_from_output(out, output)
+        result = self.scheduler.update_from_output(out, output)
+        for client_outputs in result.values():
+            self.outputs += client_outputs.outputs
+        return result
 
     def step(self, kv_output=None):
         """One engine step: schedule, the (empty) model step answered; the step's output.
@@ -239,7 +245,7 @@ class EngineCore:
 
         self.run_to_end(req)
         # vLLM holds the blocks until the worker copied them
-        assert self.finished[req.request_id] == (True, None)
+        assert self.finished[req.request_id][0] is True
         held = self.block_ids(req.request_id)
         assert req.request_id in self.scheduler.requests
         assert self.connector.has_pending_block_frees()
@@ -251,6 +257,12 @@ class EngineCore:
         self.step(KVConnectorOutput(finished_sending={req.request_id}))
         assert req.request_id not in self.scheduler.requests  # and vLLM freed them
         return spec
+
+    def final_output(self, req_id):
+        """The EngineCoreOutput that finished ``req_id`` (the one carrying its
+        ``kv_transfer_params``)."""
+        (out,) = [o for o in self.outputs if o.request_id == req_id and o.finish_reason]
+        return out
 
     # ---- what vLLM holds ----------------------------------------------------------------------
     def block_ids(self, req_id) -> list[int]:

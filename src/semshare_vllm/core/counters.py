@@ -1,6 +1,6 @@
-"""Every counter the connector keeps, with what it counts, and the recorder each half counts
-into. No vLLM import: discovery and the catalog count here too (``stats.py`` hands the counts
-to vLLM)."""
+"""Every counter and histogram the connector keeps, with what it counts, and the recorder each
+half counts into. No vLLM import: discovery and the catalog count here too (``stats.py`` hands
+the counts to vLLM)."""
 
 from __future__ import annotations
 
@@ -82,14 +82,37 @@ COUNTERS: dict[str, str] = {
 }
 
 
+# Every histogram: what one observation is, and its buckets' upper bounds. One observation per
+# request served from a donor, with the figures its provenance reports (``scheduler/provenance``).
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "served_recompute_share": (
+        "per request served from a donor: the share of its served tokens' layer work that was "
+        "recomputed (recomputed token-layers / (served tokens x layers); 0 for exact KV)",
+        (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0),
+    ),
+    "served_deviation_before": (
+        "per repaired semantic hit: mean relative K/V deviation of the donor KV from the "
+        "request's own, at the policy's measuring layer, before the repair",
+        (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5),
+    ),
+    "served_deviation_after": (
+        "per repaired semantic hit: the same deviation once the recomputed positions hold their "
+        "own KV (what the repair left)",
+        (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5),
+    ),
+}
+
+
 class StatsRecorder:
-    """One half's counters: the current interval's (taken for vLLM's stats channel) and running
-    totals (read in-process by tests and benchmarks). Thread-safe: the components it is handed
-    to add from their own threads while the engine thread takes."""
+    """One half's counters and histogram observations: the current interval's (taken for vLLM's
+    stats channel) and running totals (read in-process by tests and benchmarks). Thread-safe:
+    the components it is handed to add from their own threads while the engine thread takes."""
 
     def __init__(self) -> None:
         self.totals: Counter[str] = Counter()
+        self.observed: dict[str, list[float]] = {}  # every observation so far, per histogram
         self._interval: Counter[str] = Counter()
+        self._observations: dict[str, list[float]] = {}
         self._lock = threading.Lock()
 
     def add(self, name: str, value: float = 1) -> None:
@@ -99,10 +122,20 @@ class StatsRecorder:
             self.totals[name] += value
             self._interval[name] += value
 
-    def take(self) -> dict[str, float] | None:
-        """The interval's counts (None when nothing happened); starts a new interval."""
+    def observe(self, name: str, value: float) -> None:
+        if name not in HISTOGRAMS:
+            raise KeyError(name)
         with self._lock:
-            if not any(self._interval.values()):
+            self.observed.setdefault(name, []).append(float(value))
+            self._observations.setdefault(name, []).append(float(value))
+
+    def take(self) -> dict[str, float | list[float]] | None:
+        """The interval's counts, and each histogram's observations as a list (None when
+        nothing happened); starts a new interval."""
+        with self._lock:
+            if not any(self._interval.values()) and not self._observations:
                 return None
-            out, self._interval = dict(self._interval), Counter()
+            out: dict[str, float | list[float]] = dict(self._interval)
+            out.update(self._observations)
+            self._interval, self._observations = Counter(), {}
         return out

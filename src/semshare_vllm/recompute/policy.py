@@ -47,6 +47,9 @@ class Selection:
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
     # policy's first measuring layer: what the load reports as this donor's quality.
     measured: float | None = None
+    # The same mean once the positions kept there are recomputed (their own KV: deviation 0):
+    # what the repair left at that layer, for the request's provenance.
+    residual: float | None = None
 
     def __init__(self, candidates: np.ndarray, always: np.ndarray | None = None):
         self.candidates = np.unique(np.asarray(candidates, dtype=np.int64))
@@ -70,9 +73,15 @@ class Selection:
         "K/V of all, the rest for the selected" check layer)."""
         return False
 
-    def _measure(self, probe: LayerProbe) -> None:
+    def _measure(self, probe: LayerProbe, keep: np.ndarray) -> None:
+        """``measured`` and ``residual`` at the first layer that probed deviation; ``keep``:
+        the indices into ``probe.positions`` recomputed from there on."""
         if self.measured is None and probe.deviation is not None and len(probe.deviation):
-            self.measured = float(np.sqrt(np.clip(probe.deviation, 0, None)).mean())
+            deviation = np.sqrt(np.clip(probe.deviation, 0, None))
+            self.measured = float(deviation.mean())
+            left = np.ones(len(deviation), dtype=bool)
+            left[keep] = False
+            self.residual = float(np.where(left, deviation, 0.0).mean())
 
     def _keep_top(
         self, probe: LayerProbe, count: int, among: np.ndarray | None = None
@@ -114,10 +123,11 @@ class CacheBlend(Selection):
     def after_layer(self, probe):
         if probe.layer != self.check_layer:
             return None
-        self._measure(probe)
-        return self._keep_top(
+        keep = self._keep_top(
             probe, max(int(round(self.ratio * len(self.candidates))), self.min_tokens)
         )
+        self._measure(probe, keep)
+        return keep
 
 
 class SemShareKV(Selection):
@@ -144,7 +154,6 @@ class SemShareKV(Selection):
 
     def after_layer(self, probe):
         if probe.layer == 0:
-            self._measure(probe)
             hot = hot_positions(probe.attention, self.hot_threshold)
             is_hot = np.isin(probe.positions, hot)
             n_hot = int(round(self.hot_ratio * is_hot.sum()))
@@ -152,6 +161,7 @@ class SemShareKV(Selection):
             keep_hot = self._keep_top(probe, n_hot, among=is_hot)
             keep_cold = self._keep_top(probe, n_cold, among=~is_hot)
             keep = np.union1d(keep_hot, keep_cold)
+            self._measure(probe, keep)
             self.budget = len(keep) - len(self.always)
             return keep
         self.budget = int(np.floor(self.budget * self.layer_decay))

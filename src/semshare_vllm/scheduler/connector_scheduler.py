@@ -5,6 +5,7 @@ those. Each step of the hit path lives in its own module of this package:
 * ``semantic_search``: the donor search started on arrival, then the alignment (``planner``);
 * ``loads``: the worker's load for what vLLM allocated, and the blocks watched for its failure;
 * ``capture``: which finished requests become donors;
+* ``provenance``: what served each request, returned to the client when it finishes;
 * ``sharing`` / ``persistence``: donors across instances and restarts.
 
 One ``RequestState`` per live request; the catalog (``DonorCatalog``) is changed only on this
@@ -13,6 +14,7 @@ thread. A fault in a callback costs that request its reuse (``logs.guarded``), n
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -38,18 +40,20 @@ from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.loads import LoadWatch, failed_load, load_spec
 from semshare_vllm.scheduler.persistence import Snapshots, restore
 from semshare_vllm.scheduler.planner import Aligner, SemanticPlan
+from semshare_vllm.scheduler.provenance import Provenance
 from semshare_vllm.scheduler.request_params import (
     claim_limit,
     reuse_limit,
     reuse_mode,
     wants_prompt_logprobs,
 )
-from semshare_vllm.scheduler.request_state import RequestState
+from semshare_vllm.scheduler.request_state import RequestState, Served
 from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 from semshare_vllm.vllm_compat import prefix_cache_flags
+from semshare_vllm.vllm_compat.prefill_stats import local_cache_hit
 
 logger = logging.getLogger("vllm.semshare.scheduler")
 
@@ -100,6 +104,8 @@ class SemShareScheduler:
             None if geometry.unsupported else feed, geometry, self.catalog, self.search, self.stats
         )
         self.load_watch = LoadWatch(geometry.block_size, self.stats)
+        self.provenance = Provenance(self.stats, config.shared_index_secret)
+        self._load_seq = itertools.count(1)  # LoadSpec.seq: the worker's figures name their load
         self.requests: dict[str, RequestState] = {}
         self.recompute_ready = False  # the worker said it can repair
         self._offered: list[RequestState] = []  # offers (or scoring flags) this step
@@ -150,6 +156,7 @@ class SemShareScheduler:
     ) -> tuple[int | None, bool]:
         state = self._state(request)
         state.offer = None
+        state.local_hit = num_computed_tokens  # vLLM's own hit, block-aligned
         if self.geometry.unsupported:
             return 0, False
         if not keyable(request):  # prompt embeddings: their token ids say nothing
@@ -223,6 +230,9 @@ class SemShareScheduler:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
         state.loaded_blocks = None  # (re-allocated after preemption)
+        # what serves this admission (a preempted request is admitted again)
+        hit = local_cache_hit(request)
+        state.served = Served(vllm_cached_tokens=state.local_hit if hit is None else hit)
         scoring = state.scoring is not None
         if scoring:
             prefix_cache_flags.restore_cache_skip(request)
@@ -232,6 +242,11 @@ class SemShareScheduler:
             return
         block_ids = list(blocks.get_block_ids()[0])
         spec = load_spec(request, offer, block_ids, num_external_tokens, self.config, self.geometry)
+        spec.seq = next(self._load_seq)
+        served = state.served
+        served.kind = "semantic" if isinstance(offer, SemanticPlan) else "exact"
+        served.tokens, served.donor = spec.num_tokens, spec.key
+        served.policy, served.seq = spec.policy, spec.seq
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")
@@ -272,6 +287,9 @@ class SemShareScheduler:
             failed_loads=self._failed_loads,
         )
         self._captures, self._loads, self._failed_loads = [], [], []
+        # Backstop: the last output's provenance is settled (vLLM asked for stats after it),
+        # and nothing may write into a dict vLLM has sent.
+        self.provenance.settle()
         for state in self._offered:  # offered, not allocated this step
             if state.scoring is not None:
                 prefix_cache_flags.restore_cache_skip(state.scoring)
@@ -294,24 +312,31 @@ class SemShareScheduler:
     # ---- a request finished: keep it as a donor? ----------------------------------------------
     @guarded("capture", (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Whether vLLM keeps the blocks for the capture, and the request's provenance (what
+        vLLM returns to the client as ``kv_transfer_params``)."""
         state = self.requests.pop(request.request_id, None) or RequestState(request.request_id)
         state.drop_job()
         self.load_watch.finished(state)
+        params = self._provenance(request, state)
         if state.approximate or state.load_failed:
             # Approximate KV never becomes a donor (error must not compound), nor does a request
             # whose load failed (vLLM may not have recomputed the blocks before it ended).
-            return False, None
+            return False, params
         made = donor_for(request, block_ids, self.index, self.config, self.geometry)
         if made is None:
-            return False, None
+            return False, params
         record, capture = made
         if not self.catalog.add(record):  # larger than the whole store
-            return False, None
+            return False, params
         self.sharing.announce(record)
         self._captures.append(capture)
         self._capturing.add(request.request_id)
         self.stats.add("donors_registered")
-        return True, None  # vLLM keeps its blocks until the worker copied them
+        return True, params  # vLLM keeps its blocks until the worker copied them
+
+    @guarded("provenance")
+    def _provenance(self, request, state: RequestState) -> dict | None:
+        return self.provenance.finished(request, state)
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._capturing)
@@ -348,6 +373,15 @@ class SemShareScheduler:
             self.catalog.evict(self.index.shrink(meta.capacity_bytes))
         for key in meta.bad_donors:
             self.catalog.drop_bad(key)
+        for figures in meta.repairs:
+            self.provenance.repaired(figures, self.requests)
+
+    def take_stats(self) -> dict | None:
+        """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,
+        after ``update_connector_output``: this output's provenance is settled first, so that
+        its histograms are in these counts and no dict it carries is written after."""
+        self.provenance.settle()
+        return self.stats.take()
 
     def shutdown(self) -> None:
         if self.sharing.feed is not None:

@@ -12,6 +12,7 @@ from semshare_vllm.catalog.donor_index import PrefixMatch
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.discovery.service import Lookup
 from semshare_vllm.discovery.vector_index import Candidate
+from semshare_vllm.metadata import RepairReport
 from semshare_vllm.scheduler.planner import SemanticPlan
 
 
@@ -40,6 +41,20 @@ class SemanticMatch:
 
 
 @dataclass
+class Served:
+    """What served the request's prompt at its latest admission (vLLM admits it again after a
+    preemption): its provenance, reported when it finishes (``provenance.py``)."""
+
+    kind: str = "none"  # "exact" (a donor's exact prefix), "semantic" (an aligned donor)
+    tokens: int = 0  # the claim vLLM took: positions loaded from the donor
+    donor: DonorKey | None = None
+    policy: str = "none"  # the repair the load asked for ("none": its KV is exact)
+    seq: int | None = None  # the load's LoadSpec.seq
+    repair: RepairReport | None = None  # the worker's figures of that load, once reported
+    vllm_cached_tokens: int | None = None  # vLLM's own prefix-cache hit (None: not known)
+
+
+@dataclass
 class RequestState:
     req_id: str
     counted: bool = False  # its lookup is in the stats (vLLM re-asks)
@@ -54,6 +69,8 @@ class RequestState:
     # after them, leave vLLM's prefix cache)
     loaded_blocks: list[int] | None = None
     load_failed: bool = False  # never captured as a donor
+    local_hit: int | None = None  # vLLM's own prefix-cache hit it last asked us from
+    served: Served = field(default_factory=Served)
 
     def drop_job(self) -> None:
         if self.job is not None:

@@ -93,7 +93,8 @@ def greedy(max_tokens: int, logprobs: int | None = 1):
 
 
 def summarize(outputs) -> list[dict[str, Any]]:
-    """Token ids and the sampled tokens' logprobs of each output."""
+    """Token ids and the sampled tokens' logprobs of each output, and what the connector
+    answered in its ``kv_transfer_params`` (the request's provenance)."""
     result = []
     for out in outputs:
         comp = out.outputs[0]
@@ -103,6 +104,7 @@ def summarize(outputs) -> list[dict[str, Any]]:
                 "token_ids": list(comp.token_ids),
                 "logprobs": lps,
                 "num_cached_tokens": out.num_cached_tokens,
+                "kv_transfer_params": out.kv_transfer_params,
             }
         )
     return result

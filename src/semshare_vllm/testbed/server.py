@@ -42,6 +42,8 @@ class VllmServer:
         log_path: str | Path | None = None,
         max_model_len: int = 4096,
         served_name: str = "model",
+        prefix_caching: bool = False,
+        dev_mode: bool = False,
     ):
         self.model = str(model)
         self.served_name = served_name
@@ -62,7 +64,8 @@ class VllmServer:
             "--dtype",
             "float32",
             "--enforce-eager",
-            "--no-enable-prefix-caching",
+            # off unless asked: a repeated prompt then reaches the connector, not vLLM's cache
+            *([] if prefix_caching else ["--no-enable-prefix-caching"]),
             "--max-model-len",
             str(max_model_len),
             "--enable-prompt-tokens-details",
@@ -70,6 +73,7 @@ class VllmServer:
         if kv_transfer_config is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.cmd += list(extra_args or [])
+        self.dev_mode = dev_mode  # vLLM's development endpoints (/reset_prefix_cache)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600) -> "VllmServer":
@@ -83,6 +87,8 @@ class VllmServer:
         # to OpenMP threads on both; servers with and without a connector would then compute
         # with different thread counts. One reserved core for all keeps comparisons fair.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -141,6 +147,43 @@ class VllmServer:
             prompt, max_tokens, cache_salt, kv_transfer_params, ignore_eos
         )
 
+    def completion_body(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        timeout_s: float = 600,
+    ) -> dict:
+        """A greedy, non-streaming completion: the whole response body (vLLM 0.32 returns the
+        connector's ``kv_transfer_params`` only there)."""
+        body = {
+            "model": self.served_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        resp = requests.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.json()
+
+    def reset_prefix_cache(self, timeout_s: float = 60) -> None:
+        """Empty vLLM's own prefix cache (``dev_mode`` servers), as memory pressure would; vLLM
+        refuses while blocks are held (a capture in flight), so this retries."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            resp = requests.post(self.url + "/reset_prefix_cache", timeout=30)
+            resp.raise_for_status()
+            if not resp.content or resp.json().get("success", True):  # (older vLLMs: no body)
+                return
+            time.sleep(0.5)
+        raise AssertionError("vLLM never reset its prefix cache")
+
     def chat(
         self,
         content: str,
@@ -188,7 +231,7 @@ def connector_stats(log_text: str) -> dict[str, float]:
         _, sep, rest = line.partition("KV Transfer metrics: ")
         for item in rest.split(", ") if sep else ():
             name, _, value = item.partition("=")
-            if name.endswith("_rate"):
+            if name.endswith(("_rate", "_mean")):  # not sums: a histogram's count is
                 continue
             try:
                 totals[name] = totals.get(name, 0) + float(value)

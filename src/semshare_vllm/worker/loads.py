@@ -31,7 +31,7 @@ from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import gather_rearrange, stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
-from semshare_vllm.metadata import FailedLoad, LoadSpec
+from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
@@ -66,26 +66,31 @@ class Loads:
     def load(self, spec: LoadSpec) -> None:
         """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
         either failed, here or on another tensor-parallel rank."""
-        here, selection = self._load_here(spec), None
+        here, selection, figures = self._load_here(spec), None, None
         if here and spec.policy != "none":
             selection = self._plan_repair(spec)
             here = selection is not None
         agreed = tensor_parallel.all_agree(here)
         if agreed and selection is not None:
-            here = self._repair_here(spec, selection)
+            figures = self._repair_here(spec, selection)
+            here = figures is not None
             agreed = tensor_parallel.all_agree(here)
         if not agreed:
             if here:  # only another rank failed: this one's KV is fine, but theirs is not
                 self.stats.add("tp_peer_failures")
             self.invalidate(spec)
+        elif figures is not None and self.kv.repairer.reports_deviation:
+            # only now: a repair another rank failed is recomputed by vLLM, and its figures
+            # must not describe the request
+            self.report.repaired(spec, figures)
 
     @guarded("planning a repair", None)
     def _plan_repair(self, spec: LoadSpec) -> Selection | None:
         return plan_repair(self.kv.repairer, spec, self.config, self.stats)
 
-    @guarded("repairing a load", False)
-    def _repair_here(self, spec: LoadSpec, selection: Selection) -> bool:
-        return repair(self.kv.repairer, spec, selection, self.stats, self.report)
+    @guarded("repairing a load", None)
+    def _repair_here(self, spec: LoadSpec, selection: Selection) -> RepairReport | None:
+        return repair(self.kv.repairer, spec, selection, self.stats)
 
     @guarded("loading a donor", False)
     def _load_here(self, spec: LoadSpec) -> bool:

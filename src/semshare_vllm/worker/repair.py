@@ -20,10 +20,9 @@ from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import RopeTable
 from semshare_vllm.layout.specs import PageOffsets
 from semshare_vllm.logs import warn_once
-from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.metadata import LoadSpec, RepairReport
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.recompute.policy import Selection, make_selection
-from semshare_vllm.worker.reports import WorkerReport
 
 logger = logging.getLogger("vllm.semshare.worker")
 
@@ -37,8 +36,9 @@ class Repairer:
     # RoPE, through one address scheme for this engine's pages.
     rope: RopeTable
     offsets: PageOffsets
-    # Reports the measured deviation to the scheduler: every tensor-parallel rank measures the
-    # same (summed over the ranks), and vLLM concatenates the ranks' reports, so one rank does.
+    # Reports the measured deviation and the repair's figures (``RepairReport``) to the
+    # scheduler: every tensor-parallel rank measures and recomputes the same (scores summed
+    # over the ranks), and vLLM concatenates the ranks' reports, so one rank does.
     reports_deviation: bool = True
 
 
@@ -64,14 +64,11 @@ def plan_repair(
 
 
 def repair(
-    repairer: Repairer,
-    spec: LoadSpec,
-    selection: Selection,
-    stats: StatsRecorder,
-    report: WorkerReport,
-) -> bool:
-    """Recompute what ``selection`` picks of the loaded range, in place in its blocks; False
-    where it failed (the loaded range must then be reported failed)."""
+    repairer: Repairer, spec: LoadSpec, selection: Selection, stats: StatsRecorder
+) -> RepairReport | None:
+    """Recompute what ``selection`` picks of the loaded range, in place in its blocks: what it
+    did, or None where it failed (the loaded range must then be reported failed). The caller
+    reports the figures once every rank's repair succeeded (``WorkerReport.repaired``)."""
     t0 = time.perf_counter()
     try:
         result = repairer.runner.recompute(
@@ -79,17 +76,22 @@ def repair(
         )
     except Exception as exc:
         _failed(spec, exc, stats)
-        return False
+        return None
     if spec.donor_pos is not None and selection.measured is not None:
-        # the scheduler's divergence eviction learns from what semantic donors cost
         stats.add("deviation_sum", selection.measured)
         stats.add("deviation_count")
-        if repairer.reports_deviation:
-            report.deviations.append((spec.key, selection.measured))
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
     stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
-    return True
+    # one count per layer the runner went through (an empty selection: none, nothing redone)
+    work = len(result.per_layer) * spec.num_tokens
+    return RepairReport(
+        spec.req_id,
+        spec.seq,
+        sum(result.per_layer) / work if work else 0.0,
+        selection.measured,
+        selection.residual,
+    )
 
 
 def _failed(spec: LoadSpec, exc: Exception, stats: StatsRecorder) -> None:

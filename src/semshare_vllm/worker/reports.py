@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from semshare_vllm.core.keys import DonorKey
-from semshare_vllm.metadata import SemShareWorkerMetadata
+from semshare_vllm.metadata import LoadSpec, RepairReport, SemShareWorkerMetadata
 
 
 @dataclass
@@ -27,6 +27,7 @@ class WorkerReport:
     # for the scheduler (SemShareWorkerMetadata)
     bad_donors: list[DonorKey] = field(default_factory=list)
     deviations: list[tuple[DonorKey, float]] = field(default_factory=list)  # per semantic load
+    repairs: list[RepairReport] = field(default_factory=list)  # per repaired load
     capacity: int | None = None  # once, after register_kv_caches
     recompute_ready: bool | None = None  # once, with the capacity
     disabled: str | None = None  # once, when this worker turned itself off
@@ -36,6 +37,13 @@ class WorkerReport:
         first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
         self.invalid_blocks.update(block_ids[first : last + 1])
         self.failed_loads.add(req_id)
+
+    def repaired(self, spec: LoadSpec, figures: RepairReport) -> None:
+        """A load whose repair succeeded on every rank: its figures for the request's
+        provenance, and a semantic donor's measured deviation for the divergence eviction."""
+        self.repairs.append(figures)
+        if spec.donor_pos is not None and figures.deviation_before is not None:
+            self.deviations.append((spec.key, figures.deviation_before))
 
     def take_finished(self, finished_req_ids: Iterable[str]) -> set[str] | None:
         self.failed_loads.difference_update(finished_req_ids)
@@ -51,12 +59,18 @@ class WorkerReport:
             not self.bad_donors
             and self.capacity is None
             and not self.deviations
+            and not self.repairs
             and self.disabled is None
         ):
             return None
         meta = SemShareWorkerMetadata(
-            self.bad_donors, self.capacity, self.recompute_ready, self.deviations, self.disabled
+            self.bad_donors,
+            self.capacity,
+            self.recompute_ready,
+            self.deviations,
+            self.disabled,
+            self.repairs,
         )
         self.bad_donors, self.capacity, self.recompute_ready = [], None, None
-        self.deviations, self.disabled = [], None
+        self.deviations, self.disabled, self.repairs = [], None, []
         return meta

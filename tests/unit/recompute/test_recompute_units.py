@@ -59,8 +59,14 @@ def test_semsharekv_splits_hot_and_cold_then_decays():
     cold = [p for p in keep if p not in (3, 7, 19)]
     assert cold == [0, 1, 2, 4]  # 25% of the 17 cold others, by deviation
     assert 19 in keep
+    # what the load reports: the mean deviation at layer 0 (sqrt: the probe's is squared),
+    # and what is left once the kept positions hold their own KV
+    root = np.sqrt(dev)
+    assert sel.measured == pytest.approx(root.mean())
+    assert sel.residual == pytest.approx(root[np.setdiff1d(loaded, keep)].sum() / 20)
     second = sel.after_layer(probe(1, keep, np.ones(len(keep))))
     assert len(second) == 1 + int(np.floor(5 * 0.5))  # always + decayed budget
+    assert sel.measured == pytest.approx(root.mean())  # the first measuring layer's only
 
 
 def test_always_recompute_covers_unaligned_other_tokens_run_heads_and_the_tail():

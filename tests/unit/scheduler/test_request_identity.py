@@ -63,7 +63,7 @@ def _donor(s, tokens, **identity):
 def test_a_lora_donor_serves_only_its_own_adapter():
     s = SemShareScheduler(SemShareConfig(), geometry())
     donor = list(range(200))
-    assert _donor(s, donor, lora_request=lora("x")) == (True, None)
+    assert _donor(s, donor, lora_request=lora("x"))[0] is True
     target = donor[:150] + [1, 2, 3]
     assert s.get_num_new_matched_tokens(with_identity(request("t1", target)), 0) == (0, False)
     assert s.get_num_new_matched_tokens(
@@ -76,7 +76,7 @@ def test_a_lora_donor_serves_only_its_own_adapter():
 def test_multimodal_donors_need_the_same_inputs_in_the_same_places():
     s = SemShareScheduler(SemShareConfig(), geometry())
     donor = list(range(200))
-    assert _donor(s, donor, mm=[image("cat", 10)]) == (True, None)
+    assert _donor(s, donor, mm=[image("cat", 10)])[0] is True
     target = donor[:150] + [1, 2, 3]
     for mm in (None, [image("dog", 10)], [image("cat", 20)]):
         r = with_identity(request("t", target), mm=mm)
@@ -88,9 +88,9 @@ def test_multimodal_donors_need_the_same_inputs_in_the_same_places():
 def test_prompt_embedding_requests_are_neither_served_nor_captured():
     s = SemShareScheduler(SemShareConfig(), geometry())
     placeholders = [0] * 200
-    assert _donor(s, placeholders, embeds=object()) == (False, None)  # not captured
+    assert _donor(s, placeholders, embeds=object())[0] is False  # not captured
     assert len(s.index) == 0
-    assert _donor(s, placeholders) == (True, None)  # a real prompt of those very ids is
+    assert _donor(s, placeholders)[0] is True  # a real prompt of those very ids is
     embeds = with_identity(request("e", placeholders[:150] + [1]), embeds=object())
     assert s.get_num_new_matched_tokens(embeds, 0) == (0, False)  # ...but never serves
     s.update_state_after_alloc(embeds, Blocks(list(range(5))), 0)

@@ -17,7 +17,7 @@ from semshare_vllm.store import donor_file
 def test_capture_then_claim_whole_blocks_leaving_one_token():
     s = SemShareScheduler(SemShareConfig(), geometry())
     donor = list(range(200))
-    assert finish(s, donor) == (True, None)
+    assert finish(s, donor)[0] is True
     meta = s.build_connector_meta(None)
     assert [c.req_id for c in meta.captures] == ["done"] and len(meta.captures[0].token_ids) == 201
     assert s.has_pending_block_frees()
@@ -51,14 +51,15 @@ def test_min_reuse_and_namespace():
 
 def test_no_capture_when_short_covered_disabled_or_unsupported():
     s = SemShareScheduler(SemShareConfig(min_donor_tokens=40), geometry())
-    assert finish(s, list(range(30))) == (False, None)
-    assert finish(s, list(range(100))) == (True, None)
-    assert finish(s, list(range(90)), outputs=()) == (False, None)  # already covered
-    assert finish(
-        SemShareScheduler(SemShareConfig(capture=False), geometry()), list(range(100))
-    ) == (False, None)
+    assert finish(s, list(range(30)))[0] is False
+    assert finish(s, list(range(100)))[0] is True
+    assert finish(s, list(range(90)), outputs=())[0] is False  # already covered
+    assert (
+        finish(SemShareScheduler(SemShareConfig(capture=False), geometry()), list(range(100)))[0]
+        is False
+    )
     off = SemShareScheduler(SemShareConfig(), geometry(unsupported="hybrid"))
-    assert finish(off, list(range(100))) == (False, None)
+    assert finish(off, list(range(100)))[0] is False
     assert off.get_num_new_matched_tokens(request("t", list(range(100))), 0) == (0, False)
 
 
@@ -369,7 +370,7 @@ def test_a_disabled_worker_stops_claims_and_captures():
         )
     )
     assert s.get_num_new_matched_tokens(request("u", donor[:150] + [1]), 0) == (0, False)
-    assert finish(s, list(range(1000, 1100))) == (False, None)
+    assert finish(s, list(range(1000, 1100)))[0] is False
     assert s.build_connector_meta(None).captures == []
 
 

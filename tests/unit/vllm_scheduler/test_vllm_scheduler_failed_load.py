@@ -54,7 +54,8 @@ def test_a_failed_load_is_recomputed_and_its_donor_forgotten(prefix_caching):
     assert not out.kv_connector_metadata.loads
     core.run_to_end(target)
     # its blocks may hold what was never written: not captured, freed at once
-    assert core.finished[target.request_id] == (False, None)
+    delay, params = core.finished[target.request_id]
+    assert delay is False and params["semshare_provenance"]["load_failed"] is True
     assert target.request_id not in core.scheduler.requests
     # the failed blocks and every one computed after them from that KV
     assert core.ours.stats.totals["failed_blocks_uncached"] == len(load.block_ids)
@@ -115,7 +116,7 @@ def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
             captures += out.kv_connector_metadata.captures
     assert target.is_finished() and target.num_output_tokens == 4
     assert max(scheduled) >= len(prompt)  # the whole prompt computed again
-    assert not captures and core.finished[target.request_id] == (False, None)  # no donor
+    assert not captures and core.finished[target.request_id][0] is False  # no donor
     core.step()
     core.connector.shutdown()
     core.assert_empty()

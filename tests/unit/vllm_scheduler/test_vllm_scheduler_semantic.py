@@ -56,7 +56,8 @@ def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
     assert core.cached_hits(target_ids) == 0
 
     core.run_to_end(target)  # never captured: its blocks are freed at once
-    assert core.finished[target.request_id] == (False, None)
+    delay, params = core.finished[target.request_id]
+    assert delay is False and params["semshare_provenance"]["served"] == "semantic"
     assert target.request_id not in core.scheduler.requests
     assert not core.connector.has_pending_block_frees()
     core.connector.shutdown()

@@ -3,6 +3,8 @@ request's blocks into the host store and frees them; an exact load copies them i
 request's blocks; a claim the scheduler could not plan (``FailedLoad``) and a load whose donor is
 gone report their blocks failed, and a request whose load failed is never captured."""
 
+import numpy as np
+import pytest
 import torch
 from support.worker import BS, LAYERS, caches, make_worker
 
@@ -124,4 +126,73 @@ def test_a_semantic_load_from_the_pool_reads_the_pool_through_its_own_offsets(mo
         want = torch.cat([cache[1], cache[2]], dim=1)[:, :40]
         keep = [p for p in range(40) if p != 5]
         assert torch.equal(got[:, keep], want[:, keep])
+    w.shutdown()
+
+
+class _FakeRunner:
+    """The layer runner's part in a repair, without a model: each of 4 layers shows the
+    selection what it measured (relative deviation, squared as the probe measures it, rising
+    from 0.1 to 0.5 with the position)."""
+
+    def recompute(self, token_ids, block_ids, selection, context=None):
+        from semshare_vllm.recompute.layer_runner import RecomputeResult
+        from semshare_vllm.recompute.policy import LayerProbe
+
+        pos, per_layer = selection.start(), []
+        for layer in range(4):
+            per_layer.append(len(pos))
+            want = selection.wants_probe(layer)[0]
+            dev = np.linspace(0.1, 0.5, len(pos)) ** 2 if want else None
+            keep = selection.after_layer(LayerProbe(layer, pos, dev, None))
+            pos = pos if keep is None else pos[keep]
+        return RecomputeResult(pos, None, per_layer)
+
+
+def repairing_worker(monkeypatch):
+    from semshare_vllm.config import SemShareConfig
+    from semshare_vllm.worker.repair import Repairer
+
+    w = registered_worker(monkeypatch)
+    w.config = w.loads.config = SemShareConfig(recompute_policy="cacheblend", recompute_ratio=0.25)
+    key = DonorKey("", "d")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
+    )
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"a"})
+    w.kv.repairer = Repairer(_FakeRunner(), None, w.kv.layout.offsets(w.kv.caches[0]))
+    w.build_worker_meta()  # the pool's capacity, reported once
+    spec = LoadSpec("b", key, 0, 0, 40, [3, 4], seq=7, policy="cacheblend")
+    spec.token_ids = list(range(40))
+    return w, spec
+
+
+def test_a_repaired_load_reports_what_its_recompute_did(monkeypatch):
+    """The figures of the request's provenance: the share of the loaded tokens' layer work
+    recomputed, and the deviation the policy measured before and after its choice."""
+    w, spec = repairing_worker(monkeypatch)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == set()
+    (figures,) = w.build_worker_meta().repairs
+    assert (figures.req_id, figures.seq) == ("b", 7)
+    # CacheBlend: every position through the check layer (1), then the top quarter
+    assert figures.recompute_share == (40 + 40 + 10 + 10) / (4 * 40)
+    assert figures.deviation_before == pytest.approx(0.3)  # the mean over the loaded tokens
+    # the 10 worst recomputed (their own KV now): what is left is the 30 others'
+    assert figures.deviation_after == pytest.approx(np.linspace(0.1, 0.5, 40)[:30].sum() / 40)
+    w.shutdown()
+
+
+def test_a_repair_another_rank_failed_reports_no_figures(monkeypatch):
+    """Under tensor parallelism the ranks agree after the repair: one that failed elsewhere is
+    recomputed by vLLM, and this rank's figures must not describe the request."""
+    from semshare_vllm.vllm_compat import tensor_parallel
+
+    w, spec = repairing_worker(monkeypatch)
+    answers = iter([True, False])  # the copy agreed on, the repair failed on another rank
+    monkeypatch.setattr(tensor_parallel, "all_agree", lambda ok: ok and next(answers))
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == {3, 4}
+    assert w.build_worker_meta() is None and w.stats.totals["tp_peer_failures"] == 1
     w.shutdown()

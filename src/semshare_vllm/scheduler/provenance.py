@@ -1,0 +1,141 @@
+"""A request's provenance: what served its prompt, returned to the client in the response's
+``kv_transfer_params`` under one key (``KEY``), and observed in the connector's histograms from
+the very same figures.
+
+vLLM puts the dict ``request_finished`` returns into the request's final ``EngineCoreOutput``
+(``Scheduler.update_from_output`` -> ``_free_request`` -> ``_connector_finished``); the output
+processor copies it into the ``RequestOutput``, and the OpenAI server returns it as the response
+body's ``kv_transfer_params`` (0.32: non-streaming responses only; 0.33: also the last streamed
+chunk). Everything here sits under one key, so that neither vLLM (which reads
+``do_remote_prefill`` there) nor another connector mistakes it for its own.
+
+Order. In ``update_from_output`` (0.32 and 0.33 alike) vLLM calls ``request_finished`` in its
+loop over the step's requests, and ``update_connector_output``, with the worker's report of the
+same step, only after that loop. A request that finishes in the step that loaded it (max_tokens
+1) is therefore finished before the worker's figures of its repair are known. Its dict is held
+open: vLLM holds this very dict in that step's ``EngineCoreOutput``, which leaves the engine
+only once ``update_from_output`` has returned, so the figures are written into it when the report
+comes in the same call. ``settle`` closes every dict still open (their worker figures stay null,
+``"repair_report": "missing"``): vLLM asks the scheduler half for its stats once per
+``update_from_output``, after ``update_connector_output``, and the scheduler settles there (and,
+as a backstop, when it builds the next step's metadata). No dict is written after it is
+settled. A report is matched to the load it describes by the load's number (``LoadSpec.seq``),
+so no figure ever comes from another load or another request.
+
+The donor is named by an opaque reference: an HMAC of its key (namespace and id) under a secret
+of this process (derived from ``shared_index_secret`` where set, so that instances sharing
+donors name them alike). It is stable while the process lives, says nothing of the donor's text,
+and differs between identities for the same text, so no tenant can correlate its references with
+another's prompts (donors never serve another identity anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from semshare_vllm.core.counters import StatsRecorder
+from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.metadata import RepairReport
+from semshare_vllm.scheduler.request_state import RequestState
+
+KEY = "semshare_provenance"
+VERSION = 1
+
+
+class Provenance:
+    """The scheduler's provenance book: one dict per finished request (``finished``), the
+    worker's figures written in while vLLM still holds it unsent (``repaired``), closed when the
+    output is done (``settle``)."""
+
+    def __init__(self, stats: StatsRecorder, secret: str | None = None):
+        self.stats = stats
+        self._secret = (
+            hmac.new(secret.encode(), b"semshare provenance donor reference", "sha256").digest()
+            if secret
+            else secrets.token_bytes(32)
+        )
+        # finished this output, the worker's figures still due: (request, its state, the dict
+        # vLLM holds)
+        self._open: dict[str, tuple[object, RequestState, dict]] = {}
+
+    def finished(self, request, state: RequestState) -> dict:
+        """The ``kv_transfer_params`` for a request vLLM says finished (``state`` popped)."""
+        params = {KEY: self._figures(request, state)}
+        if params[KEY]["repair_report"] == "missing":
+            self._open[state.req_id] = (request, state, params)
+        else:
+            self._observe(params[KEY])
+        return params
+
+    def repaired(self, report: RepairReport, live: dict[str, RequestState]) -> None:
+        """The worker's figures of one repaired load: kept for a live request, written into the
+        dict of one that finished in this output."""
+        state = live.get(report.req_id)
+        if state is not None:
+            if state.served.seq == report.seq:
+                state.served.repair = report
+            return
+        held = self._open.get(report.req_id)
+        if held is None or held[1].served.seq != report.seq:
+            return  # finished earlier (settled), or aborted: nobody reads it
+        request, state, params = self._open.pop(report.req_id)
+        state.served.repair = report
+        params[KEY] = self._figures(request, state)
+        self._observe(params[KEY])
+
+    def settle(self) -> None:
+        """vLLM's output is done: dicts still open keep their worker figures null."""
+        for _, _, params in self._open.values():
+            self._observe(params[KEY])
+        self._open.clear()
+
+    # ---- the figures ---------------------------------------------------------------------------
+    def _figures(self, request, state: RequestState) -> dict:
+        served = state.served
+        kind = served.kind
+        share, status, before, after = None, None, None, None
+        if kind != "none" and not state.load_failed:
+            if served.policy == "none":
+                share = 0.0  # exact KV, used as loaded
+            elif served.repair is not None:
+                share, status = served.repair.recompute_share, "received"
+                before, after = served.repair.deviation_before, served.repair.deviation_after
+            else:
+                status = "missing"  # not (yet) reported
+        return {
+            "version": VERSION,
+            "served": kind,
+            "prompt_tokens": int(request.num_prompt_tokens),
+            "vllm_cached_tokens": served.vllm_cached_tokens,
+            "exact_tokens": served.tokens if kind == "exact" else 0,
+            "semantic_tokens": served.tokens if kind == "semantic" else 0,
+            "donor": None if served.donor is None else self._reference(served.donor),
+            "recompute_policy": served.policy,
+            "recompute_share": _rounded(share),
+            "deviation_before": _rounded(before),
+            "deviation_after": _rounded(after),
+            "repair_report": status,
+            "load_failed": state.load_failed,
+            "preemptions": int(getattr(request, "num_preemptions", 0) or 0),
+            # reserved for the fail-closed gate to come: always 0 until then
+            "escalations": 0,
+        }
+
+    def _reference(self, key: DonorKey) -> str:
+        message = key.namespace.encode() + b"\0" + key.donor_id.encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
+
+    def _observe(self, figures: dict) -> None:
+        if figures["served"] == "none" or figures["load_failed"]:
+            return
+        if figures["recompute_share"] is not None:
+            self.stats.observe("served_recompute_share", figures["recompute_share"])
+        for name in ("deviation_before", "deviation_after"):
+            if figures[name] is not None:
+                self.stats.observe(f"served_{name}", figures[name])
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 4)
