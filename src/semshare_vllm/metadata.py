@@ -100,6 +100,10 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
     captures: list[CaptureSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     failed_loads: list[FailedLoad] = field(default_factory=list)
+    # Requests whose load marked their prompt-logprob rows and then failed: vLLM computes their
+    # prompt again from position 0, so the rows the runner holds are forgotten before that
+    # step's forward (``vllm_compat.prompt_logprobs.restart_rows``).
+    restart_logprob_rows: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -198,3 +198,30 @@ def test_a_continuation_is_scored_after_a_reused_prompt(llm, sched, worker, prom
     ratio = math.exp((sum(tail_cold) - sum(tail_hit)) / len(continuation))
     assert 0.8 < ratio < 1.25, ratio  # perplexity hit / cold
     assert all(rank >= 1 for _, rank in cold)
+
+
+def test_a_scored_request_whose_load_failed_gets_every_row_from_vllm(llm, sched, worker, tok):
+    """A request asking for prompt logprobs (``semshare_reuse_limit``) whose load fails: vLLM
+    computes its prompt again from the start, and every row of its prompt logprobs must be the
+    one cold computes (none marked, none missing, none from the failed step)."""
+    from semshare_vllm.core.keys import DonorKey, donor_id_for
+
+    head = tok(wiki_document(1300, 1500) + "\n\nSummary:")["input_ids"]
+    out = run(llm, head)
+    key = DonorKey("", donor_id_for("", head + out["token_ids"][:-1]))
+    run(llm, tok("Another request, so that the donor is captured.")["input_ids"])
+    worker.flush_captures()
+    assert key in worker.kv.store
+    worker.kv.store.drop(key)  # the worker lost it; the scheduler does not know yet
+    full = head + tok(" The text is about a place and its people.", add_special_tokens=False)[
+        "input_ids"
+    ]
+    cold = score(llm, full, salt="scoring-cold-2")
+    failures = worker.stats.totals.get("load_failures", 0)
+    hits = sched.stats.totals.get("hits", 0)
+    got = score(llm, full, limit=len(head) - 1)
+    assert sched.stats.totals["hits"] == hits + 1  # claimed...
+    assert worker.stats.totals["load_failures"] == failures + 1  # ...its load failed
+    assert len(got) == len(cold) == len(full) - 1
+    assert [rank for _, rank in got] == [rank for _, rank in cold]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(got, cold)) < 1e-3

@@ -136,11 +136,15 @@ class EngineCore:
         self.in_flight: collections.deque = collections.deque()  # pipelined steps (``pipeline``)
 
     # ---- requests ---------------------------------------------------------------------------
-    def request(self, tokens, max_tokens: int = 3, salt=None, params=None, req_id=None):
+    def request(
+        self, tokens, max_tokens: int = 3, salt=None, params=None, req_id=None, prompt_logprobs=None
+    ):
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sampling = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs
+        )
         req = Request(
             request_id=req_id or f"r{next(self._ids)}",
             prompt_token_ids=list(tokens),

@@ -229,7 +229,7 @@ class SemShareScheduler:
     @guarded("load planning", on_fault="_report_unplanned_load")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
-        state.loaded_blocks = None  # (re-allocated after preemption)
+        state.loaded_blocks, state.marks_logprobs = None, False  # (again after preemption)
         # what serves this admission (a preempted request is admitted again)
         hit = local_cache_hit(request)
         state.served = Served(vllm_cached_tokens=state.local_hit if hit is None else hit)
@@ -254,6 +254,7 @@ class SemShareScheduler:
             self.stats.add("fuzzy_reused_tokens", offer.fuzzy_tokens)
         if scoring:
             spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
+            state.marks_logprobs = True
         self.load_watch.watch(state, block_ids, spec.dst_start)
         self.index.touch(spec.key)
         record = self.index.get(spec.key)
@@ -285,6 +286,7 @@ class SemShareScheduler:
             captures=self._captures,
             loads=self._loads,
             failed_loads=self._failed_loads,
+            restart_logprob_rows=self.load_watch.take_logprob_restarts(),
         )
         self._captures, self._loads, self._failed_loads = [], [], []
         # Backstop: the last output's provenance is settled (vLLM asked for stats after it),

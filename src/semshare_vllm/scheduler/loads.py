@@ -84,6 +84,9 @@ class LoadWatch:
         # may still be reported (async scheduling) -> (blocks, outputs left to wait)
         self._finished: dict[str, tuple[list[int], int]] = {}
         self.kv_cache_manager = None  # vLLM's, for evicting failed blocks
+        # requests whose failed load had marked their prompt-logprob rows: the worker forgets
+        # those rows before vLLM computes the prompt again (``take_logprob_restarts``)
+        self._logprob_restarts: list[str] = []
 
     def watch(self, state: RequestState, block_ids: list[int], start: int) -> None:
         """The request's blocks from the one holding ``start`` (the first a load writes) on."""
@@ -109,6 +112,12 @@ class LoadWatch:
             else:
                 self._finished[req_id] = (blocks, left - 1)
 
+    def take_logprob_restarts(self) -> list[str]:
+        """For the next step's metadata: it is built after the output that reported the
+        failure (so after the failed step's forward) and runs before vLLM's recompute."""
+        taken, self._logprob_restarts = self._logprob_restarts, []
+        return taken
+
     def _uncache_failed(self, invalid: set[int], live: dict[str, RequestState]) -> None:
         watched = [(s, s.loaded_blocks) for s in live.values() if s.loaded_blocks is not None]
         watched += [(None, blocks) for blocks, _ in self._finished.values()]
@@ -118,5 +127,8 @@ class LoadWatch:
                 continue
             if state is not None:  # (a finished one is past capturing)
                 state.load_failed = True
+                if state.marks_logprobs:
+                    state.marks_logprobs = False
+                    self._logprob_restarts.append(state.req_id)
             vllm_block_hashes.evict_cached(self.kv_cache_manager, blocks[bad:])
             self.stats.add("failed_blocks_uncached", len(blocks) - bad)

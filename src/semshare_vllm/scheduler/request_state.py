@@ -69,6 +69,9 @@ class RequestState:
     # after them, leave vLLM's prefix cache)
     loaded_blocks: list[int] | None = None
     load_failed: bool = False  # never captured as a donor
+    # its load marks its prompt-logprob rows (``semshare_reuse_limit``): if the load fails, the
+    # worker must forget them before vLLM recomputes the prompt
+    marks_logprobs: bool = False
     local_hit: int | None = None  # vLLM's own prefix-cache hit it last asked us from
     served: Served = field(default_factory=Served)
 

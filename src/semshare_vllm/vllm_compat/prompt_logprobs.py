@@ -19,9 +19,16 @@ Touches two runners' per-request state:
   (``req_id_to_index``, ``all_token_ids.gpu``). It emits rows only from the first computed
   position on, so without a marker chunk in front the rows would be shifted onto the wrong
   prompt tokens.
-Written against vLLM 0.32's runners; 0.33's ``PromptLogprobsWorker`` is the same code. Where
-neither shape is found, nothing is marked, the load is reported failed, and vLLM computes and
-scores the whole prompt.
+A load that fails after its rows were marked is recomputed by vLLM from position 0 (a scoring
+request reads no cache, so its load starts there, and vLLM rewinds to its first failed block).
+By then each runner holds rows it must not keep: V1 dropped the request's prompt-logprob
+bookkeeping once the failed step reached the prompt's end (so the recompute would score
+nothing), V2 holds the marker chunk and the failed step's rows (so the recompute's rows would
+be appended after them). ``restart_rows`` sets both back to a request nothing was computed for.
+
+Written against vLLM 0.32's runners; 0.33's ``PromptLogprobsWorker`` and V1's
+``_get_prompt_logprobs_dict`` are the same code. Where neither shape is found, nothing is
+marked, the load is reported failed, and vLLM computes and scores the whole prompt.
 """
 
 from __future__ import annotations
@@ -72,9 +79,10 @@ def _mark_v2(model_runner, worker, req_id: str, until: int) -> bool:
     if chunks is None or chunks or req_idx is None:
         return False
     wanted = int(worker.num_prompt_logprobs[req_idx])
-    scored = getattr(worker, "token_id_scores", {}).get(req_id)
-    # fixed-token scoring from a row we serve would be dropped by vLLM, so do not serve it
-    if wanted < 0 or (scored is not None and scored.start < until):
+    # Fixed-token scoring (``prompt_logprob_token_ids``) is not served: vLLM drops it when a
+    # row it scores is not computed, and forgets it once a step reaches the prompt's end, so a
+    # failed load could not be scored again.
+    if wanted < 0 or req_id in getattr(worker, "token_id_scores", {}):
         return False
     from vllm.v1.outputs import LogprobsTensors
 
@@ -89,4 +97,33 @@ def _mark_v2(model_runner, worker, req_id: str, until: int) -> bool:
             selected_token_ranks=torch.zeros(until, dtype=torch.int64, device=worker.device),
         )
     )
+    return True
+
+
+def restart_rows(model_runner, req_id: str) -> bool:
+    """Forget every prompt-logprob row of ``req_id`` (marked or computed): vLLM computes its
+    prompt again from position 0 and must score every row. Call it before that step's forward.
+    A request the runner no longer holds has nothing to forget. False when this runner keeps
+    no such state where we expect it."""
+    worker = getattr(model_runner, "prompt_logprobs_worker", None)
+    if worker is not None:
+        if not hasattr(worker, "in_progress_prompt_logprobs"):
+            return False
+        chunks = worker.in_progress_prompt_logprobs.get(req_id)
+        if chunks is not None:
+            chunks.clear()
+        return True
+    wanted = getattr(model_runner, "num_prompt_logprobs", None)
+    requests = getattr(model_runner, "requests", None)
+    if wanted is None or requests is None:
+        return False
+    state = requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    if state is None or params is None or params.prompt_logprobs is None:
+        return True
+    # V1 forgets the request once a step reached the end of its prompt (the failed one may
+    # have): ask again, as it does when the request is added
+    n = params.prompt_logprobs
+    wanted[req_id] = model_runner.input_batch.vocab_size if n == -1 else n
+    state.in_progress_prompt_logprobs_cpu = None
     return True

@@ -82,6 +82,8 @@ class SemShareWorker:
 
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
+        for req_id in meta.restart_logprob_rows:
+            self._restart_logprobs(req_id)
         for key in meta.evictions:
             self._evict(key)
         for spec in meta.captures:
@@ -90,6 +92,10 @@ class SemShareWorker:
             self._load(spec)
         for failed in meta.failed_loads:
             self.loads.fail(failed)
+
+    @guarded("restarting prompt logprobs")
+    def _restart_logprobs(self, req_id: str) -> None:
+        self.loads.restart_logprobs(req_id)
 
     @guarded("dropping an evicted donor")
     def _evict(self, key: DonorKey) -> None:

@@ -35,7 +35,7 @@ from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
-from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
+from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.repair import plan_repair, repair
 from semshare_vllm.worker.reports import WorkerReport
@@ -139,6 +139,18 @@ class Loads:
             self.stats.add("block_copied_tokens", spec.num_tokens)
         self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
         return True
+
+    def restart_logprobs(self, req_id: str) -> None:
+        """A load that marked ``req_id``'s prompt-logprob rows failed (here or on another
+        rank): vLLM now computes its prompt from the start, and scores every row again."""
+        if not restart_rows(model_hook.loaded_runner(self._vllm_config), req_id):
+            warn_once(
+                logger,
+                "logprobs-restart",
+                "SemShare: cannot reset the prompt logprobs of request %s after its failed load",
+                req_id,
+            )
+            self.stats.add("fallbacks")
 
     def fail(self, failed: FailedLoad) -> None:
         """A claim the scheduler could not plan: nothing is loaded, vLLM computes it."""

@@ -1,5 +1,6 @@
 """``vllm_compat.prompt_logprobs``: the rows of served prompt positions are marked in the model
-runner's per-request state (a stand-in, and vLLM's own ``CachedRequestState``)."""
+runner's per-request state (a stand-in, and vLLM's own ``CachedRequestState``), and forgotten
+when the load that served them failed and vLLM computes the prompt again."""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows
+from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows
 
 
 def vllm_state(prompt_token_ids):
@@ -147,10 +148,52 @@ def test_v2_runner_rows_of_served_positions_are_marked_and_the_rest_stay_in_plac
 def test_v2_runner_requests_it_cannot_mark_are_not_served(v2_kernels):
     # the whole vocabulary (-1): the row width comes from the logits, unknown before them
     assert not mark_served_rows(V2Runner(logprobs=-1), "r", 3)
-    # fixed-token scores from row 1: vLLM drops them once row 1 is not computed
+    # fixed-token scores: vLLM drops them where a scored row is not computed, and forgets them
+    # once a step reaches the prompt's end (a failed load could not be scored again)
     assert not mark_served_rows(V2Runner(logprobs=1, prompt_logprob_start=1), "r", 3)
-    assert mark_served_rows(V2Runner(logprobs=1, prompt_logprob_start=3), "r", 3)
+    assert not mark_served_rows(V2Runner(logprobs=1, prompt_logprob_start=3), "r", 3)
     assert not mark_served_rows(V2Runner(logprobs=1), "someone-else", 3)
     runner = V2Runner(logprobs=1)
     assert mark_served_rows(runner, "r", 3)
     assert not mark_served_rows(runner, "r", 3)  # rows already there: never twice
+
+
+@pytest.mark.parametrize("failed_step", ["chunk", "last"])
+def test_v2_runner_after_a_failed_load_every_row_is_vllms_own(v2_kernels, failed_step):
+    """The load that served rows [0, 3) fails; its step's forward still ran (a chunk, or the
+    rest of the prompt, whose rows vLLM emits and its scheduler then drops). vLLM computes the
+    prompt again from 0: once the rows are restarted, what it emits is cold's rows."""
+    hidden = torch.randn(len(PROMPT), VOCAB, generator=torch.Generator().manual_seed(1))
+    cold = V2Runner(logprobs=2).step(hidden, 0, len(PROMPT))["r"]
+    runner, served = V2Runner(logprobs=2), 3
+    assert mark_served_rows(runner, "r", served)
+    runner.step(hidden, served, 2 if failed_step == "chunk" else len(PROMPT) - served)
+    assert restart_rows(runner, "r")
+    assert runner.step(hidden, 0, 4) == {}  # chunked again
+    warm = runner.step(hidden, 4, len(PROMPT) - 4)["r"]
+    for got, want in zip(warm, cold, strict=True):
+        if want is not None:
+            assert torch.equal(got, want)
+    assert restart_rows(runner, "gone")  # a request the runner no longer holds: nothing to do
+    assert not restart_rows(SimpleNamespace(), "r")  # a runner we do not know
+
+
+def test_v1_runner_scores_the_prompt_again_after_a_failed_load():
+    """vLLM's V1 runner forgets a request's prompt logprobs once a step reached the end of its
+    prompt (the failed one may have): restarting asks for them again, with fresh rows."""
+    from vllm import SamplingParams
+
+    state = vllm_state(list(range(10)))
+    state.sampling_params = SamplingParams(prompt_logprobs=2)
+    runner = SimpleNamespace(
+        requests={"r": state},
+        num_prompt_logprobs={"r": 2},
+        input_batch=SimpleNamespace(vocab_size=50),
+    )
+    assert mark_served_rows(runner, "r", 4)
+    assert state.in_progress_prompt_logprobs_cpu is not None
+    del runner.num_prompt_logprobs["r"]  # what V1 does once a step reached the prompt's end
+    assert restart_rows(runner, "r")
+    assert runner.num_prompt_logprobs == {"r": 2} and state.in_progress_prompt_logprobs_cpu is None
+    state.sampling_params = SamplingParams(prompt_logprobs=-1)
+    assert restart_rows(runner, "r") and runner.num_prompt_logprobs == {"r": 50}

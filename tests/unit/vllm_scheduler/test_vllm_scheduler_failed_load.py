@@ -120,3 +120,33 @@ def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
     core.step()
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_a_scored_requests_failed_load_restarts_its_prompt_logprob_rows():
+    """A request asking for prompt logprobs with ``semshare_reuse_limit`` (vLLM reads no cache
+    for it; we serve it and mark its rows): its load fails, vLLM rewinds it to position 0, and
+    the step that recomputes it tells the worker, once, to forget the rows it holds."""
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 21)))
+    core.step()
+    core.capture(donor)
+
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 22)
+    target = core.add(
+        core.request(prompt, prompt_logprobs=1, params={"semshare_reuse_limit": 8 * bs})
+    )
+    assert target.skip_reading_prefix_cache  # what vLLM sets for prompt logprobs
+    out = core.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.dst_start, load.num_tokens, load.mark_logprobs_until) == (0, 8 * bs, 8 * bs)
+    assert out.kv_connector_metadata.restart_logprob_rows == []
+    core.answer(out, worker_failure(core, load))
+    assert target.num_computed_tokens == 0  # vLLM computes the prompt again from 0
+
+    out = core.step()
+    assert out.num_scheduled_tokens[target.request_id] == len(prompt)
+    assert out.kv_connector_metadata.restart_logprob_rows == [target.request_id]
+    assert core.step().kv_connector_metadata.restart_logprob_rows == []  # once
+    core.run_to_end(target)
+    core.connector.shutdown()

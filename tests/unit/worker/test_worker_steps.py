@@ -196,3 +196,21 @@ def test_a_repair_another_rank_failed_reports_no_figures(monkeypatch):
     assert w.get_block_ids_with_load_errors() == {3, 4}
     assert w.build_worker_meta() is None and w.stats.totals["tp_peer_failures"] == 1
     w.shutdown()
+
+
+def test_the_prompt_logprob_rows_of_a_failed_load_are_restarted_before_the_step(monkeypatch):
+    """The scheduler names the requests whose marked load failed: the worker has the runner
+    forget their rows before the step in which vLLM computes their prompt again."""
+    from semshare_vllm.worker import loads
+
+    runners = []
+    monkeypatch.setattr(loads.model_hook, "loaded_runner", lambda cfg: runners[-1])
+    monkeypatch.setattr(loads, "restart_rows", lambda runner, req_id: runner.append(req_id) or 1)
+    w = registered_worker(monkeypatch)
+    runners.append([])
+    w.start_load_kv(SemShareConnectorMetadata(restart_logprob_rows=["a", "b"]))
+    assert runners[-1] == ["a", "b"] and "fallbacks" not in w.stats.totals
+    monkeypatch.setattr(loads, "restart_rows", lambda runner, req_id: False)  # unknown runner
+    w.start_load_kv(SemShareConnectorMetadata(restart_logprob_rows=["c"]))
+    assert w.stats.totals["fallbacks"] == 1
+    w.shutdown()
