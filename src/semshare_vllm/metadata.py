@@ -90,6 +90,10 @@ class RepairReport:
     # the selection's ``measured`` and ``residual`` (None where the policy measured nothing)
     deviation_before: float | None = None
     deviation_after: float | None = None
+    # the adaptive policy's gate: the error it estimated left at the gate layer (None: no gate
+    # ran), and how many times it widened the recompute because that was above the bound
+    gate_residual: float | None = None
+    escalations: int = 0
 
 
 @dataclass

@@ -64,7 +64,7 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         hit = provenance(srv.completion_body(TARGET, max_tokens=1))
         assert hit["served"] == "semantic" and hit["donor"] == exact["donor"]
         assert hit["semantic_tokens"] >= 0.7 * hit["prompt_tokens"] and hit["exact_tokens"] == 0
-        assert hit["recompute_policy"] == "cacheblend" and hit["repair_report"] == "received"
+        assert hit["recompute_policy"] == "adaptive" and hit["repair_report"] == "received"
         assert 0 < hit["recompute_share"] < 1
         assert 0 <= hit["deviation_after"] < hit["deviation_before"]
 

@@ -225,3 +225,40 @@ def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases)
     # SemShareKV's schedule runs and recomputes less in deeper layers
     sem = bench.evaluate("semsharekv", SemShareKV(every, always))
     assert 0 < sem.recomputed < 1 and np.isfinite(sem.hidden_error)
+
+
+def test_an_escalated_recompute_ends_as_the_wider_recompute(llm, worker, cases):
+    """The adaptive gate's escalation: the runner goes back to the layer where the selection
+    narrowed and runs the wider set from there, with the hidden states every position had
+    there. With a bound of 0 the gate escalates to every position: the blend then ends exactly
+    as cold (final hidden state, logits), as recomputing every position from the start does."""
+    from semshare_vllm.recompute.policy import Adaptive, Fixed
+    from semshare_vllm.testbed.blend_eval import BlendBench
+
+    donor, target = cases["kv"]
+    target = target[:40] + target  # another, longer head
+    bench = BlendBench(
+        worker.kv.repairer.runner.model,
+        worker.kv.layout,
+        worker.kv.caches[0],
+        list(worker.geometry.layer_names),
+        donor,
+        target,
+    )
+    n, layers = len(target), len(bench.runner.layers)
+    every = np.arange(n)
+    always = np.union1d(bench.always(), [n - 1])
+    check, gate = (0, 1) if layers == 2 else (1, 8)
+    sel = Adaptive(every, always, bound=0.0, check_layer=check, gate_layer=gate, max_share=0.1)
+    escalated = bench.evaluate("escalated", sel)
+    assert sel.escalations == 1 and sel.gate_residual > 0 and sel.residual == 0
+    assert escalated.hidden_error < 1e-4 and escalated.logit_error < 1e-3
+    full = bench.evaluate("all", Fixed(every))
+    assert abs(escalated.hidden_error - full.hidden_error) < 1e-4
+    # layers up to the gate ran twice for the positions of the first, narrow pass
+    assert escalated.recomputed > 1.0 - 1e-9
+    # a loose bound: no escalation, a narrow recompute that leaves an error
+    loose = Adaptive(every, always, bound=10.0, check_layer=check, gate_layer=gate)
+    narrow = bench.evaluate("loose", loose)
+    assert loose.escalations == 0 and narrow.recomputed < 0.6
+    assert narrow.hidden_error > escalated.hidden_error

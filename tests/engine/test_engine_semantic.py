@@ -213,9 +213,10 @@ def test_a_scored_request_whose_load_failed_gets_every_row_from_vllm(llm, sched,
     worker.flush_captures()
     assert key in worker.kv.store
     worker.kv.store.drop(key)  # the worker lost it; the scheduler does not know yet
-    full = head + tok(" The text is about a place and its people.", add_special_tokens=False)[
-        "input_ids"
-    ]
+    full = (
+        head
+        + tok(" The text is about a place and its people.", add_special_tokens=False)["input_ids"]
+    )
     cold = score(llm, full, salt="scoring-cold-2")
     failures = worker.stats.totals.get("load_failures", 0)
     hits = sched.stats.totals.get("hits", 0)

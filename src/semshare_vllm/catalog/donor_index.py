@@ -48,6 +48,7 @@ class DonorRecord:
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
+    escalations: int = 0  # loads from it the recompute gate had to widen
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -175,6 +176,16 @@ class DonorIndex:
                 key.namespace, key, embedding.vector, fingerprint, record.prompt_token_ids
             )
         return True
+
+    def demote(self, key: DonorKey) -> None:
+        """No longer offered by discovery (an exact prefix still serves; evicted first under
+        ``divergence``)."""
+        record = self._lru.get(key)
+        if record is None:
+            return
+        record.demoted = True
+        if self.vectors is not None and record.embedding is not None:
+            self.vectors.remove(key.namespace, key)
 
     def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:
         """One measured deviation (0-1) of a reuse of ``key``, from the recompute stage.

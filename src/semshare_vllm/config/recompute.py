@@ -15,16 +15,61 @@ class RecomputeConfig(Section):
     TITLE = "Selective recompute"
 
     recompute_policy: str = knob(
-        "cacheblend",
+        "adaptive",
         "Which loaded tokens are recomputed through the model after their donor KV "
-        'is written, for approximate (semantic) loads: "cacheblend" (every loaded token up '
+        'is written, for approximate (semantic) loads: "adaptive" (every loaded token up to '
+        "recompute_check_layer, then as many as bring the measured error under "
+        "recompute_error_bound, checked again at recompute_gate_layer and escalated there, up "
+        'to every token, where it is not), "cacheblend" (every loaded token up '
         "to recompute_check_layer, then the recompute_ratio with the highest K/V deviation), "
         '"semsharekv" (layer 0 in full, then hot / cold tokens by attention recovery, a '
         'budget decaying with depth), "all" (every loaded token, exact loads included: the '
         "output equals a cold run and nothing is saved; checks the hook and runner in a "
         'deployment), "none". Exact-prefix loads are never repaired except under "all". '
         'With "none" there are no semantic hits (approximate KV is never used unrepaired).',
-        choices=("none", "all", "cacheblend", "semsharekv"),
+        choices=("none", "all", "adaptive", "cacheblend", "semsharekv"),
+    )
+    recompute_error_bound: float = knob(
+        0.02,
+        "Adaptive: the error a repaired load may keep, at the check layer and again at the gate "
+        "layer: the K/V deviation (relative L2) of the positions not recomputed, weighted half "
+        "by the attention the prompt's last tokens pay them and half uniformly (a weighted "
+        "mean over the loaded tokens: 0 = exact).",
+        minimum=0.0,
+    )
+    recompute_min_share: float = knob(
+        0.0,
+        "Adaptive: recompute at least this share of the loaded tokens after the check layer.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    recompute_max_share: float = knob(
+        1.0,
+        "Adaptive: recompute at most this share of the loaded tokens after the check layer "
+        "(the gate may still escalate past it: a load is never served above the bound it "
+        "measured).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    recompute_gate_layer: int = knob(
+        8,
+        "Adaptive: the layer (0-based) where the error left is measured again, on sentinel "
+        "tokens carried there; above recompute_error_bound, the same recompute escalates "
+        "(more tokens, then every one). At or below recompute_check_layer: no gate.",
+        minimum=0,
+    )
+    recompute_sentinels: float = knob(
+        0.03,
+        "Adaptive: share of the loaded tokens (at least 8) carried past the check layer to the "
+        "gate layer to measure what the tokens not recomputed would deviate there.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    recompute_attention_window: int = knob(
+        32,
+        "Adaptive: how many of the prompt's last tokens' attention weighs each token's "
+        "deviation (the tokens the answer is read from).",
+        minimum=1,
     )
     recompute_ratio: float = knob(
         0.15,
@@ -35,7 +80,8 @@ class RecomputeConfig(Section):
     )
     recompute_min_tokens: int = knob(
         0,
-        "CacheBlend: recompute at least this many loaded tokens after the check layer, "
+        "CacheBlend and adaptive: recompute at least this many loaded tokens after the check "
+        "layer, "
         "whatever recompute_ratio gives (short prompts: 15% of a few hundred tokens can leave a "
         "near-tie answer to the donor's context). On 512-token cross-instruction pairs "
         "(SmolLM2-135M, CPU, 6 pairs) a floor of 160 (29%) raised the median ROUGE-L of the "
@@ -44,8 +90,8 @@ class RecomputeConfig(Section):
     )
     recompute_check_layer: int = knob(
         1,
-        "CacheBlend: the layer (0-based) up to which every loaded token is recomputed and "
-        "where deviations are measured.",
+        "CacheBlend and adaptive: the layer (0-based) up to which every loaded token is "
+        "recomputed and where deviations are measured.",
         minimum=0,
     )
     recompute_run_head: int = knob(

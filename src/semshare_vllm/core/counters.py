@@ -70,6 +70,14 @@ COUNTERS: dict[str, str] = {
     "(reported failed: vLLM computed them)",
     "recompute_failures": "recomputes that failed (vLLM computed those tokens instead)",
     "recompute_ms": "milliseconds spent recomputing loaded tokens",
+    "recompute_gate_checks": "repairs whose error left was measured again at the gate layer "
+    "(recompute_policy adaptive)",
+    "recompute_escalated_loads": "of those, repairs the gate found above recompute_error_bound "
+    "and widened in the same recompute (more tokens, up to every one)",
+    "recompute_escalations": "widenings of those repairs (at most 2 per repair: more tokens, "
+    "then every one)",
+    "donors_demoted_by_escalation": "donors no longer offered because loads from them kept "
+    "needing escalation",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
     "deviation of the loaded tokens at the policy's check layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",

@@ -13,6 +13,9 @@ module is stood in for, for the duration of the call, by ``_RecomputeAttention``
 measuring on the way what the policy (``policy.Selection``) asked for: each position's
 deviation from the donor K/V it replaces, the attention the last tokens pay. After each layer
 the policy may narrow S; the hidden states of the positions it keeps flow to the next layer.
+It may also find, at a later layer, that it narrowed too far (``policy.Escalate``): the runner
+then goes back to the layer where it narrowed, with the hidden states every position had when
+it entered that layer (kept for this), and runs the wider set from there.
 
 Under tensor parallelism every rank runs the same recompute over its own KV heads, and the
 layers' row-parallel all-reduces sum the ranks' shares of the same tokens: so what a layer
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
-from semshare_vllm.recompute.policy import Fixed, LayerProbe, Selection
+from semshare_vllm.recompute.policy import Escalate, Fixed, LayerProbe, Selection
 from semshare_vllm.vllm_compat import cpu_attention, tensor_parallel
 from semshare_vllm.vllm_compat.decoder_layers import (
     DecoderLayer,
@@ -182,6 +185,10 @@ class _RecomputeAttention(torch.nn.Module):
         return out.reshape(s, lay.num_heads * lay.head_size)
 
 
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
 class RecomputeFault(RuntimeError):
     """The stand-in failed in some layer on this rank; the layers ran on so that this rank kept
     up with the others' collectives, and what they computed is not to be used."""
@@ -283,10 +290,16 @@ class LayerRunner:
         all_slots = slots_for(block_ids, 0, context, bs).to(self.device)
         ids = torch.as_tensor(token_ids[:context], dtype=torch.long, device=self.device)
         hidden, residual = self.embed(ids[pos]), None
-        counts, fault = [], None
-        for index, lay in enumerate(self.layers):
+        counts, fault = [0] * len(self.layers), None
+        entered = None  # (layer, positions, hidden, residual) where the selection narrowed
+        index = 0
+        while index < len(self.layers):
+            lay = self.layers[index]
             want_dev, want_attn = selection.wants_probe(index)
-            probe_first = selection.narrows_at(index) and (want_dev or want_attn)
+            narrows = selection.narrows_at(index)
+            if narrows:  # an escalation comes back here with more of these positions
+                entered = (index, pos_np, hidden.clone(), _clone(residual))
+            probe_first = narrows and (want_dev or want_attn)
             stand_in = _RecomputeAttention(
                 lay,
                 block_ids,
@@ -297,7 +310,7 @@ class LayerRunner:
                 selection.window if want_attn else 0,
                 probe_only=probe_first,
             )
-            counts.append(len(pos_np))
+            counts[index] += len(pos_np)
             if probe_first:
                 # Every position's K/V first (norm + qkv only; the layer mutates its inputs in
                 # place, hence the copies), then the full layer for those the selection keeps.
@@ -308,6 +321,15 @@ class LayerRunner:
                     hidden, residual = lay.decoder(pos, hidden, residual)
             fault = fault or stand_in.fault
             keep = selection.after_layer(self._probe(index, pos_np, stand_in, context))
+            if isinstance(keep, Escalate):
+                if entered is None:
+                    raise ValueError("a selection escalated without having narrowed")
+                index, pos_np, hidden, residual = entered
+                keep_t = torch.as_tensor(keep.keep, device=self.device)
+                pos_np = pos_np[keep.keep]
+                pos, hidden = torch.as_tensor(pos_np, device=self.device), hidden[keep_t]
+                residual = None if residual is None else residual[keep_t]
+                continue  # the narrowing layer again, in full for these positions
             if keep is not None and len(keep) < len(pos_np):
                 pos_np = pos_np[keep]
                 keep_t = torch.as_tensor(keep, device=self.device)
@@ -320,6 +342,7 @@ class LayerRunner:
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
                 fault = fault or stand_in.fault
+            index += 1
         if fault is not None:
             raise RecomputeFault(f"{type(fault).__name__}: {fault}") from fault
         final = None
@@ -361,4 +384,6 @@ class LayerRunner:
 class RecomputeResult:
     positions: np.ndarray  # recomputed through the last layer
     hidden: torch.Tensor | None  # their final hidden states (``final_hidden``)
-    per_layer: list[int]  # how many positions each layer recomputed
+    # how many positions each layer recomputed (an escalation's second pass through a layer
+    # adds to it)
+    per_layer: list[int]

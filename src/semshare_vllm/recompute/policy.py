@@ -12,6 +12,12 @@ first and the layer's attention and MLP only for the positions kept.
 * ``CacheBlend`` (Yao et al., EuroSys'25): every loaded position up to and including the check
   layer (default 1); there, the ``ratio`` with the highest deviation are kept for the remaining
   layers.
+* ``Adaptive`` (the default): every loaded position up to and including the check layer;
+  there, positions are taken in order of their deviation weighted by the attention the prompt's
+  last tokens pay them, until the weighted deviation left (``residual``) is under a bound. At a
+  later gate layer it measures again, on sentinel positions carried there; where the deviation
+  left is still above the bound it escalates in the same recompute (``Escalate``): more
+  positions, then every one. The bound, not a ratio, is the knob.
 * ``SemShareKV`` (§4.3.3, appendix A.5): layer 0 in full; there, positions are split into hot
   and cold by attention recovery (the fewest positions holding ``hot_threshold`` of the last
   ``window`` tokens' attention), and ``hot_ratio`` of the hot and ``cold_ratio`` of the cold
@@ -40,8 +46,20 @@ class LayerProbe:
     attention: np.ndarray | None  # [context] attention mass the last tokens paid each position
 
 
+@dataclass
+class Escalate:
+    """``after_layer``'s answer where the repair so far is not enough: the runner goes back to
+    the layer where the selection narrowed (``narrows_at``), takes the hidden states every
+    candidate had when it entered that layer, and runs ``keep`` (indices into ``start()``)
+    through it and the layers after."""
+
+    keep: np.ndarray
+
+
 class Selection:
     """Base: start with ``start``; keep everyone unless a subclass says otherwise."""
+
+    escalations = 0  # how many times the selection asked for more in the same recompute
 
     window = 0  # last tokens whose attention the probe sums (0: no attention probe)
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
@@ -63,8 +81,9 @@ class Selection:
         """(deviation, attention) wanted after ``layer``."""
         return False, False
 
-    def after_layer(self, probe: LayerProbe) -> np.ndarray | None:
-        """Indices into ``probe.positions`` that go on (sorted), or None for all."""
+    def after_layer(self, probe: LayerProbe) -> np.ndarray | Escalate | None:
+        """Indices into ``probe.positions`` that go on (sorted), None for all, or ``Escalate``
+        to run the narrowing layer and those after it again with more positions."""
         return None
 
     def narrows_at(self, layer: int) -> bool:
@@ -168,6 +187,162 @@ class SemShareKV(Selection):
         return self._keep_top(probe, self.budget)
 
 
+class Adaptive(Selection):
+    """Recompute until the estimated error left is under ``bound`` (module docstring).
+
+    Error is each position's relative K/V deviation (square root of the probe's) weighted by
+    ``w = (1/n + a/sum(a)) / 2``: ``a`` the attention the last ``window`` tokens pay the
+    position in that layer, ``n`` the number of candidates. Attention in one layer is a noisy
+    proxy for the others, so half the weight is uniform: a large deviation is never left only
+    because that layer looked elsewhere. The error left is the sum of ``w * deviation`` over
+    the positions not recomputed: a weighted mean over the candidates, 0 when all are
+    recomputed. ``bound`` applies at the gate layer, where what the donor KV misses has had
+    more layers to show (on real pairs the error left measured there was 4-10x the check
+    layer's).
+
+    * Check layer: every candidate's deviation is measured; positions are taken in order of
+      ``w * deviation`` until the error left there is under ``bound / CHECK_TO_GATE`` (at
+      least ``min_share`` / ``min_tokens``, at most ``max_share``; ``always`` on top).
+      ``measured`` and ``residual`` are the check layer's error before and after.
+    * Sentinels: ``sentinels`` of the candidates left (at least 8), drawn at random with a
+      fixed seed (every tensor-parallel rank draws the same), go on to the gate layer.
+    * Gate layer: the sentinels' deviation there, weighted by that layer's ``w``, estimates the
+      error of every position left (``gate_residual``: the weight left times the sentinels'
+      weighted mean deviation). Above ``bound`` the selection escalates (``Escalate``): first
+      to as many positions (in the check layer's order) as leave little enough weight for
+      that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
+      to every candidate. Without a gate layer, the check layer's choice stands.
+    """
+
+    CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
+
+    def __init__(
+        self,
+        candidates,
+        always=None,
+        bound: float = 0.02,
+        min_share: float = 0.0,
+        max_share: float = 1.0,
+        check_layer: int = 1,
+        gate_layer: int = 0,
+        sentinels: float = 0.03,
+        window: int = 32,
+        min_tokens: int = 0,
+    ):
+        super().__init__(candidates, always)
+        self.bound, self.min_share, self.max_share = bound, min_share, max_share
+        self.check_layer, self.window, self.min_tokens = check_layer, window, min_tokens
+        # no gate where it would not come after the check layer
+        self.gate_layer = gate_layer if gate_layer > check_layer else None
+        self.sentinel_share = sentinels
+        self.gate_residual: float | None = None  # the last gate's estimate
+        self._rng = np.random.default_rng(len(self.candidates))
+        self._passes = 0  # how many times the runner went through the check layer
+        # per candidate index: check-layer weight and deviation; the order to recompute in
+        self._weight = self._check_dev = self._order = None
+        self._forced = np.zeros(0, dtype=np.int64)  # candidate indices of ``always``
+        self._kept = np.zeros(0, dtype=np.int64)  # candidate indices recomputed to the end
+        self._sentinels = np.zeros(0, dtype=np.int64)  # candidate indices carried to the gate
+        self._touched = np.zeros(0, dtype=np.int64)  # recomputed past the check by some pass
+
+    def wants_probe(self, layer):
+        if layer == self.check_layer and self._passes == 0:
+            return True, True
+        if layer == self.gate_layer and len(self._sentinels):
+            return True, True
+        return False, False
+
+    def narrows_at(self, layer):
+        return layer == self.check_layer and self._passes == 0
+
+    def after_layer(self, probe):
+        if probe.layer == self.check_layer:
+            self._passes += 1
+            if self._passes == 1:
+                return self._check(probe)
+            return None  # an escalated pass: its positions came with ``Escalate``
+        if probe.layer == self.gate_layer and probe.deviation is not None:
+            return self._gate(probe)
+        return None
+
+    def _weights(self, attention: np.ndarray | None) -> np.ndarray:
+        n = len(self.candidates)
+        uniform = np.full(n, 1.0 / n)
+        if attention is None:
+            return uniform
+        a = np.clip(attention[self.candidates], 0, None)
+        total = a.sum()
+        return uniform if total <= 0 else 0.5 * uniform + 0.5 * a / total
+
+    # ---- the check layer ---------------------------------------------------------------------
+    def _check(self, probe: LayerProbe) -> np.ndarray:
+        # probe.positions are the candidates (every one runs through the check layer)
+        self._check_dev = np.sqrt(np.clip(probe.deviation, 0, None))
+        self._weight = self._weights(probe.attention)
+        score = self._weight * self._check_dev
+        forced = np.isin(self.candidates, self.always)
+        order = np.argsort(-np.where(forced, -1.0, score), kind="stable")
+        self._order = order[~forced[order]]
+        self._forced = np.flatnonzero(forced)
+        self.measured = float(score.sum())
+        left = score[self._order].sum() - np.cumsum(np.concatenate([[0.0], score[self._order]]))
+        count = _first_at_most(left, self.bound / self.CHECK_TO_GATE)
+        n = len(self.candidates)
+        count = max(count, int(np.ceil(self.min_share * n)), self.min_tokens)
+        count = min(count, int(np.floor(self.max_share * n)), len(self._order))
+        return self._keep(count)
+
+    def _keep(self, count: int) -> np.ndarray:
+        """Keep ``always`` and the first ``count`` of ``_order``; draw the sentinels from the
+        rest. Candidate indices that go on past this layer."""
+        self._kept = np.union1d(self._forced, self._order[:count])
+        left = np.ones(len(self.candidates), dtype=bool)
+        left[self._kept] = False
+        self.residual = float((self._weight * self._check_dev)[left].sum())
+        self._sentinels = np.zeros(0, dtype=np.int64)
+        if self.gate_layer is not None:
+            # never one an earlier pass recomputed past the check: its KV there is fresh
+            pool = np.setdiff1d(self._order[count:], self._touched)
+            size = min(len(pool), max(int(round(self.sentinel_share * len(self.candidates))), 8))
+            self._sentinels = np.sort(self._rng.choice(pool, size, replace=False))
+        self._touched = np.union1d(self._touched, np.union1d(self._kept, self._sentinels))
+        return np.union1d(self._kept, self._sentinels)
+
+    # ---- the gate layer ----------------------------------------------------------------------
+    def _gate(self, probe: LayerProbe) -> np.ndarray | Escalate:
+        idx = np.searchsorted(self.candidates, probe.positions)  # candidate index of each
+        dev = np.sqrt(np.clip(probe.deviation, 0, None))
+        weight = self._weights(probe.attention)
+        sent = np.isin(idx, self._sentinels)
+        w_sent = weight[idx[sent]]
+        mean_dev = float((w_sent * dev[sent]).sum() / max(w_sent.sum(), 1e-12))
+        left = np.ones(len(self.candidates), dtype=bool)
+        left[self._kept] = False
+        self.gate_residual = float(weight[left].sum() * mean_dev)
+        if self.gate_residual <= self.bound:
+            self._sentinels = np.zeros(0, dtype=np.int64)
+            return np.flatnonzero(np.isin(idx, self._kept))  # the sentinels stop here
+        self.escalations += 1
+        if self.escalations == 1 and mean_dev > 0:
+            # keep, in the check layer's order, until the weight left times that mean
+            # deviation is under the bound
+            w_left = weight[self._order].sum() - np.cumsum(
+                np.concatenate([[0.0], weight[self._order]])
+            )
+            count = _first_at_most(w_left, self.bound / mean_dev)
+            if count > len(self._kept) - len(self._forced):
+                return Escalate(self._keep(count))
+        self._keep(len(self._order))  # every candidate: nothing is left, no gate again
+        return Escalate(np.arange(len(self.candidates)))
+
+
+def _first_at_most(left: np.ndarray, bound: float) -> int:
+    """The first index where the non-increasing ``left`` is at most ``bound`` (its last index
+    where none is)."""
+    ok = left <= bound
+    return int(np.argmax(ok)) if bool(ok.any()) else len(left) - 1
+
+
 def hot_positions(attention: np.ndarray, threshold: float) -> np.ndarray:
     """The fewest positions holding ``threshold`` of the attention mass (attention recovery)."""
     order = np.argsort(-attention, kind="stable")
@@ -204,9 +379,12 @@ def always_recompute(
     return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
 
 
-def make_selection(policy: str, loaded: np.ndarray, always: np.ndarray, config) -> Selection:
+def make_selection(
+    policy: str, loaded: np.ndarray, always: np.ndarray, config, num_layers: int | None = None
+) -> Selection:
     """The selection ``policy`` names, over the ``loaded`` positions, with a ``SemShareConfig``'s
-    constants."""
+    constants, for a model of ``num_layers`` layers (None: not known; a gate layer past the
+    last is no gate)."""
     if policy == "all":
         return Fixed(loaded)
     if policy == "cacheblend":
@@ -215,6 +393,21 @@ def make_selection(policy: str, loaded: np.ndarray, always: np.ndarray, config) 
             always,
             config.recompute_ratio,
             config.recompute_check_layer,
+            config.recompute_min_tokens,
+        )
+    if policy == "adaptive":
+        return Adaptive(
+            loaded,
+            always,
+            config.recompute_error_bound,
+            config.recompute_min_share,
+            config.recompute_max_share,
+            config.recompute_check_layer,
+            config.recompute_gate_layer
+            if num_layers is None or config.recompute_gate_layer < num_layers
+            else 0,
+            config.recompute_sentinels,
+            config.recompute_attention_window,
             config.recompute_min_tokens,
         )
     if policy == "semsharekv":

@@ -376,7 +376,9 @@ class SemShareScheduler:
         for key in meta.bad_donors:
             self.catalog.drop_bad(key)
         for figures in meta.repairs:
-            self.provenance.repaired(figures, self.requests)
+            donor = self.provenance.repaired(figures, self.requests)
+            if figures.escalations and donor is not None:
+                self.catalog.report_escalation(donor)
 
     def take_stats(self) -> dict | None:
         """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,

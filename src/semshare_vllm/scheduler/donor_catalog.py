@@ -7,6 +7,9 @@ from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 
+# One escalated load can be an unlucky target; a donor two targets found short is demoted.
+ESCALATIONS_TO_DEMOTE = 2
+
 
 class DonorCatalog:
     def __init__(self, index: DonorIndex, stats: StatsRecorder):
@@ -40,6 +43,19 @@ class DonorCatalog:
         """The recompute stage's measured deviation (0-1) of one reuse of donor ``key``."""
         self.evict(self.index.report_deviation(key, deviation))
         self.changed = True
+
+    def report_escalation(self, key: DonorKey) -> None:
+        """A load from donor ``key`` needed the recompute gate's escalation: after
+        ``ESCALATIONS_TO_DEMOTE`` of them it is demoted (no longer offered by discovery; the
+        ``divergence`` eviction policy evicts it first)."""
+        record = self.index.get(key)
+        if record is None or record.demoted:
+            return
+        record.escalations += 1
+        if record.escalations >= ESCALATIONS_TO_DEMOTE:
+            self.index.demote(key)
+            self.stats.add("donors_demoted_by_escalation")
+            self.changed = True
 
     def set_embedding(self, key: DonorKey, serial: int, embedding, fingerprint: int) -> bool:
         """Make the donor searchable (False: that registration is gone meanwhile)."""

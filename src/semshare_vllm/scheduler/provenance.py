@@ -69,21 +69,24 @@ class Provenance:
             self._observe(params[KEY])
         return params
 
-    def repaired(self, report: RepairReport, live: dict[str, RequestState]) -> None:
+    def repaired(self, report: RepairReport, live: dict[str, RequestState]) -> DonorKey | None:
         """The worker's figures of one repaired load: kept for a live request, written into the
-        dict of one that finished in this output."""
+        dict of one that finished in this output. The donor that load read (None: no request
+        is known to have made it)."""
         state = live.get(report.req_id)
         if state is not None:
-            if state.served.seq == report.seq:
-                state.served.repair = report
-            return
+            if state.served.seq != report.seq:
+                return None
+            state.served.repair = report
+            return state.served.donor
         held = self._open.get(report.req_id)
         if held is None or held[1].served.seq != report.seq:
-            return  # finished earlier (settled), or aborted: nobody reads it
+            return None  # finished earlier (settled), or aborted: nobody reads it
         request, state, params = self._open.pop(report.req_id)
         state.served.repair = report
         params[KEY] = self._figures(request, state)
         self._observe(params[KEY])
+        return state.served.donor
 
     def settle(self) -> None:
         """vLLM's output is done: dicts still open keep their worker figures null."""
@@ -95,13 +98,14 @@ class Provenance:
     def _figures(self, request, state: RequestState) -> dict:
         served = state.served
         kind = served.kind
-        share, status, before, after = None, None, None, None
+        share, status, before, after, gate, escalations = None, None, None, None, None, 0
         if kind != "none" and not state.load_failed:
             if served.policy == "none":
                 share = 0.0  # exact KV, used as loaded
             elif served.repair is not None:
                 share, status = served.repair.recompute_share, "received"
                 before, after = served.repair.deviation_before, served.repair.deviation_after
+                gate, escalations = served.repair.gate_residual, served.repair.escalations
             else:
                 status = "missing"  # not (yet) reported
         return {
@@ -116,11 +120,11 @@ class Provenance:
             "recompute_share": _rounded(share),
             "deviation_before": _rounded(before),
             "deviation_after": _rounded(after),
+            "gate_residual": _rounded(gate),
             "repair_report": status,
             "load_failed": state.load_failed,
             "preemptions": int(getattr(request, "num_preemptions", 0) or 0),
-            # reserved for the fail-closed gate to come: always 0 until then
-            "escalations": 0,
+            "escalations": int(escalations),
         }
 
     def _reference(self, key: DonorKey) -> str:

@@ -57,6 +57,7 @@ def plan_repair(
             np.arange(spec.dst_start, spec.dst_start + spec.num_tokens),
             np.asarray(spec.always, dtype=np.int64),
             config,
+            len(repairer.runner.layers),
         )
     except Exception as exc:
         _failed(spec, exc, stats)
@@ -80,10 +81,17 @@ def repair(
     if spec.donor_pos is not None and selection.measured is not None:
         stats.add("deviation_sum", selection.measured)
         stats.add("deviation_count")
+    gate = getattr(selection, "gate_residual", None)
+    if gate is not None:
+        stats.add("recompute_gate_checks")
+    if selection.escalations:
+        stats.add("recompute_escalated_loads")
+        stats.add("recompute_escalations", selection.escalations)
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
     stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
-    # one count per layer the runner went through (an empty selection: none, nothing redone)
+    # one count per layer of the model (an empty selection: none, nothing redone); an
+    # escalation's second pass through some layers counts there too
     work = len(result.per_layer) * spec.num_tokens
     return RepairReport(
         spec.req_id,
@@ -91,6 +99,8 @@ def repair(
         sum(result.per_layer) / work if work else 0.0,
         selection.measured,
         selection.residual,
+        gate,
+        selection.escalations,
     )
 
 

@@ -5,7 +5,9 @@ import pytest
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.recompute.policy import (
+    Adaptive,
     CacheBlend,
+    Escalate,
     Fixed,
     LayerProbe,
     SemShareKV,
@@ -69,6 +71,100 @@ def test_semsharekv_splits_hot_and_cold_then_decays():
     assert sel.measured == pytest.approx(root.mean())  # the first measuring layer's only
 
 
+def adaptive(**kw):
+    args = dict(always=[99], bound=0.08, check_layer=1, gate_layer=3, sentinels=0.1, window=4)
+    args.update(kw)
+    return Adaptive(np.arange(100), **args)
+
+
+def check_probe(sel):
+    """Layer 1 over every candidate: positions 0-9 deviate 0.5 (root), the rest 0.05; the last
+    tokens attend to 0-4 only."""
+    root = np.full(100, 0.05)
+    root[:10] = 0.5
+    attention = np.zeros(100)
+    attention[:5] = 1.0
+    return probe(1, np.arange(100), root**2, attention)
+
+
+def test_adaptive_keeps_the_weighted_worst_until_the_error_left_is_under_the_bound():
+    checked()
+
+
+def checked():
+    """An adaptive selection past its check layer (``check_probe``), checked: it and what it
+    carries on."""
+    sel = adaptive()
+    assert sel.wants_probe(0) == (False, False) and sel.wants_probe(1) == (True, True)
+    assert sel.narrows_at(1) and not sel.narrows_at(0)
+    keep = sel.after_layer(check_probe(sel))
+    # weight: half uniform (0.005 each), half attention (0.1 each for 0-4)
+    w = np.full(100, 0.005)
+    w[:5] += 0.1
+    root = np.full(100, 0.05)
+    root[:10] = 0.5
+    assert sel.measured == pytest.approx((w * root).sum())
+    # bound 0.08 at the gate -> 0.01 at the check: 0-9 (the heaviest scores) and no more
+    # (the 89 others left: 89 * 0.005 * 0.05 = 0.0223 > 0.01 -> more, by stable order)
+    assert set(range(10)) <= set(sel._kept) and 99 in sel._kept
+    assert sel.residual <= 0.01 + 1e-12
+    assert sel.residual == pytest.approx((w * root)[np.setdiff1d(np.arange(100), sel._kept)].sum())
+    # sentinels: 10 of the rest (10%), drawn with a fixed seed, and carried on
+    assert len(sel._sentinels) == 10 and not set(sel._sentinels) & set(sel._kept)
+    assert np.array_equal(keep, np.union1d(sel._kept, sel._sentinels))
+    again = adaptive()
+    again.after_layer(check_probe(again))
+    assert np.array_equal(again._sentinels, sel._sentinels)  # every TP rank draws the same
+    assert sel.wants_probe(2) == (False, False) and sel.wants_probe(3) == (True, True)
+    return sel, keep
+
+
+def gate_probe(sel, keep, sentinel_root):
+    root = np.zeros(len(keep))
+    root[np.isin(keep, sel._sentinels)] = sentinel_root
+    return probe(3, keep, root**2, np.ones(100))  # uniform attention there
+
+
+def test_adaptive_gate_passes_and_drops_its_sentinels_where_the_error_left_is_small():
+    sel, keep = checked()
+    left = 100 - len(sel._kept)
+    out = sel.after_layer(gate_probe(sel, keep, 0.1))
+    assert sel.gate_residual == pytest.approx(left / 100 * 0.1)  # weight left x mean deviation
+    assert sel.gate_residual <= 0.08 and sel.escalations == 0
+    assert np.array_equal(keep[out], sel._kept)
+    assert sel.wants_probe(3) == (False, False)  # one gate
+
+
+def test_adaptive_gate_escalates_to_more_then_to_every_candidate():
+    sel, keep = checked()
+    first = len(sel._kept)
+    out = sel.after_layer(gate_probe(sel, keep, 0.4))  # 0.4 x ~0.8 of the weight: too much
+    assert isinstance(out, Escalate) and sel.escalations == 1
+    # enough kept that the weight left x 0.4 is under 0.08: at most 20 of 100 left
+    assert len(sel._kept) >= 80 and len(sel._kept) > first
+    assert np.array_equal(out.keep, np.union1d(sel._kept, sel._sentinels))
+    # new sentinels: none recomputed past the check by the first pass
+    assert not set(sel._sentinels) & set(keep)
+    # the runner goes back to the check layer: no new choice there
+    assert sel.wants_probe(1) == (False, False) and not sel.narrows_at(1)
+    assert sel.after_layer(probe(1, np.arange(100)[out.keep])) is None
+    assert sel.wants_probe(3) == (True, True)
+    out = sel.after_layer(gate_probe(sel, np.arange(100)[out.keep], 0.9))
+    assert isinstance(out, Escalate) and sel.escalations == 2
+    assert np.array_equal(out.keep, np.arange(100)) and sel.residual == 0
+    assert sel.wants_probe(3) == (False, False)
+
+
+def test_adaptive_share_floor_and_ceiling_and_no_gate():
+    loose = adaptive(bound=10.0, min_share=0.3, gate_layer=0)
+    loose.after_layer(check_probe(loose))
+    assert len(loose._kept) == 30 + 1 and len(loose._sentinels) == 0  # floor, plus always
+    assert loose.wants_probe(3) == (False, False)
+    tight = adaptive(bound=0.0, max_share=0.2)
+    tight.after_layer(check_probe(tight))
+    assert len(tight._kept) == 20 + 1  # ceiling, plus always
+
+
 def test_always_recompute_covers_unaligned_other_tokens_run_heads_and_the_tail():
     donor_pos = np.array([-1, 5, 6, 7, 8, 9, 10, 2, 3, 4, 11, 12])
     same = np.ones(12, dtype=bool)
@@ -96,5 +192,9 @@ def test_make_selection_follows_the_config():
     assert cb.min_tokens == 3
     assert np.array_equal(cb.always, [5])
     assert make_selection("semsharekv", loaded, np.array([]), cfg).window == 8
+    ad = make_selection("adaptive", loaded, np.array([5]), cfg)
+    assert isinstance(ad, Adaptive) and ad.bound == cfg.recompute_error_bound
+    assert ad.gate_layer == cfg.recompute_gate_layer and ad.min_tokens == 3
+    assert SemShareConfig().recompute_policy == "adaptive"
     with pytest.raises(ValueError):
         make_selection("none", loaded, np.array([]), cfg)

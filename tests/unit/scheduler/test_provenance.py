@@ -67,6 +67,7 @@ def test_a_miss_and_an_exact_hit():
             "recompute_share": None,
             "deviation_before": None,
             "deviation_after": None,
+            "gate_residual": None,
             "repair_report": None,
             "load_failed": False,
             "preemptions": 0,
@@ -185,3 +186,26 @@ def test_a_fault_building_the_provenance_never_costs_the_capture(monkeypatch):
     r, _ = admit(s, "m", list(range(1000, 1100)))
     assert end(s, r) == (True, None)
     assert s.stats.totals["fallbacks"] == 1
+
+
+def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted():
+    """The gate's figures reach the provenance; two loads from one donor that the gate had to
+    widen demote it (no longer offered by discovery)."""
+    s = scheduler(recompute_policy="all")
+    key = None
+    for i in range(2):
+        r, load = admit(s, f"t{i}", DONOR[:150] + [i])
+        key = load.key
+        assert not s.index.get(key).demoted
+        s.update_connector_output(
+            output([RepairReport(f"t{i}", load.seq, 0.6, 0.1, 0.01, 0.03, escalations=1)])
+        )
+        got = end(s, r)[1][KEY]
+        assert got["escalations"] == 1 and got["gate_residual"] == 0.03
+    assert s.index.get(key).demoted and s.index.get(key).escalations == 2
+    assert s.stats.totals["donors_demoted_by_escalation"] == 1
+    # figures that match no load demote nothing
+    other = scheduler(recompute_policy="all")
+    for _ in range(3):
+        other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
+    assert "donors_demoted_by_escalation" not in other.stats.totals

@@ -98,6 +98,7 @@ def test_provenance_reaches_the_request_output_vllm_builds(async_scheduling):
         "recompute_share": 1.0,
         "deviation_before": None,  # policy "all" measures nothing
         "deviation_after": None,
+        "gate_residual": None,
         "repair_report": "received",
         "load_failed": False,
         "preemptions": 0,

@@ -42,7 +42,7 @@ def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
     (new,) = out.scheduled_new_reqs
     (load,) = out.kv_connector_metadata.loads
     assert out.has_sync_kv_loads  # started before the forward that reads it
-    assert load.key == key and load.donor_pos is not None and load.policy == "cacheblend"
+    assert load.key == key and load.donor_pos is not None and load.policy == "adaptive"
     assert load.dst_start == 0 and new.num_computed_tokens == load.num_tokens
     assert load.num_tokens >= 0.7 * len(target_ids)  # most of the prompt is the article
     assert load.num_tokens < len(target_ids)  # vLLM computes the last token at least

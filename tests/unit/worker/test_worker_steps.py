@@ -134,6 +134,8 @@ class _FakeRunner:
     selection what it measured (relative deviation, squared as the probe measures it, rising
     from 0.1 to 0.5 with the position)."""
 
+    layers = [None] * 4
+
     def recompute(self, token_ids, block_ids, selection, context=None):
         from semshare_vllm.recompute.layer_runner import RecomputeResult
         from semshare_vllm.recompute.policy import LayerProbe
