@@ -300,7 +300,7 @@ def _rag_qa(groups, tokens, sizer, rng):
     for g in range(groups):
         questions = _fact_questions(g, tokens, sizer)
         facts = _fact_bundle(questions)
-        # the plain headers: SmolLM2-135M answers none of the fact questions inside a chat turn
+        # the plain headers: in a chat turn SmolLM2-135M got every fact question wrong (pairs.py)
         header = rng.choice(P.TARGET_HEADERS[1:])
         longest = max((q for q, _ in questions), key=sizer.count)
         fixed = sizer.count(_rag_question(header, P.passages(facts), longest))
