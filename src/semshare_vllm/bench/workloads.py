@@ -305,6 +305,10 @@ def _rag_qa(groups, tokens, sizer, rng):
         longest = max((q for q, _ in questions), key=sizer.count)
         fixed = sizer.count(_rag_question(header, P.passages(facts), longest))
         bundle = facts + _padding(rng, tokens - fixed, sizer, avoid=())
+        if len(bundle) < 2:
+            raise WorkloadError(
+                f"rag-qa: {tokens} tokens hold one passage, nothing to reorder (ask for 512+)"
+            )
         rng.shuffle(bundle)
         reordered = bundle[:]
         while reordered == bundle:

@@ -63,6 +63,11 @@ def test_rag_qa_reorders_passages_and_asks_what_one_states(sizer, tokens):
         assert all(len(targets) == W.MAX_QUESTIONS for _, targets in _by_group(reqs))
 
 
+def test_rag_qa_refuses_a_context_too_small_to_reorder(sizer):
+    with pytest.raises(W.WorkloadError, match="nothing to reorder"):
+        W.build("rag-qa", 1, 128, sizer)
+
+
 def _passages(numbered: str) -> tuple[str, ...]:
     """The passages of ``P.passages`` output (the first one's "[1] " already cut off), without
     their numbers or the question after the last one."""
