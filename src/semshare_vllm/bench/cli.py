@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--workload-file",
-        help='your own JSONL: {"prompt", "group", "role": "donor"|"target", "answer"?} per line',
+        help='your own JSONL: {"prompt", "group", "role": "donor"|"target", "answer"?, '
+        '"reference"?, "donor_answer"?} per line',
     )
     p.add_argument(
         "--context-tokens",

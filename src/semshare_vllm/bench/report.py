@@ -2,7 +2,8 @@
 ``vllm bench serve``'s names (``median_ttft_ms``, ``p99_ttft_ms``, ...) for cold and served
 requests, and ours: hit rate, hit-only speed-up, blended speed-up, miss overhead, ROUGE-L of the
 served output against cold's, the perplexity ratio (hit over cold) of held-out reference text,
-accuracy where answers are checkable."""
+accuracy where answers are checkable, and where a target's text changed a value its donor's
+stated (entity-swap), how many served answers gave the donor's value."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def summarize(results: list[Measured]) -> dict:
             / len(checked)
             if checked
             else None,
+            **_donor_values(rows),
         }
         levels = sorted({m.request.level for m in rows if m.request.level is not None})
         if levels:
@@ -119,6 +121,28 @@ def _correct(text: str, answer: str) -> bool:
     return answer.lower() in text.lower()
 
 
+def _checked(text: str, answer: str | None) -> bool | None:
+    return None if answer is None else _correct(text, answer)
+
+
+def _gave_donor_value(m: Measured) -> bool | None:
+    """Whether the served answer gave the donor's value instead of the target's; None where that
+    says nothing: no donor value, or cold got the target's own value wrong (the model could not
+    read it even without reuse, so the donor is not to blame)."""
+    r = m.request
+    if r.donor_answer is None or r.answer is None or not _correct(m.cold.text, r.answer):
+        return None
+    return _correct(m.served.text, r.donor_answer) and not _correct(m.served.text, r.answer)
+
+
+def _donor_values(rows: list[Measured]) -> dict[str, int | None]:
+    """Served answers that gave the donor's value, out of the targets cold answered right."""
+    judged = [g for g in map(_gave_donor_value, rows) if g is not None]
+    if not any(m.request.donor_answer for m in rows):
+        return {"donor_value_answers": None, "donor_value_cold_right": None}
+    return {"donor_value_answers": sum(judged), "donor_value_cold_right": len(judged)}
+
+
 def request_rows(results: list[Measured]) -> list[dict]:
     return [
         {
@@ -126,6 +150,10 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "group": m.request.group,
             "level": m.request.level,
             "answer": m.request.answer,
+            "donor_answer": m.request.donor_answer,
+            "cold_correct": _checked(m.cold.text, m.request.answer),
+            "semshare_correct": _checked(m.served.text, m.request.answer),
+            "semshare_gave_donor_value": _gave_donor_value(m),
             "prompt_tokens": m.prompt_tokens,
             "connector_tokens": m.connector_tokens,
             "cached_tokens": m.served.cached_tokens,
@@ -155,8 +183,8 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
     lines = [
         "| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
         "| blended | miss overhead | ROUGE-L (hits) | ROUGE-L noise floor | PPL ratio (hits) "
-        "| accuracy (served / cold) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| accuracy (served / cold) | donor value (of cold right) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
@@ -173,9 +201,15 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s['blended_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['miss_overhead'], '+.1%')} | {_fmt(s['rouge_l_hits'], '.2f')} | "
                 f"{_fmt(s['rouge_l_noise_floor'], '.2f')} | "
-                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} |"
+                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} | {_donor_cell(s)} |"
             )
     return "\n".join(lines)
+
+
+def _donor_cell(s: dict) -> str:
+    if s.get("donor_value_answers") is None:
+        return "-"
+    return f"{s['donor_value_answers']} / {s['donor_value_cold_right']}"
 
 
 def write_json(

@@ -7,18 +7,26 @@ A group with no donor measures misses (``negative``).
 
 * ``cross-instruction``: one document under two different instruction templates;
 * ``rag-reorder``: the same retrieved passages in another order, another header and question;
+* ``rag-qa``: the same retrieved passages (fact extracts among others) in another order, another
+  header, and a question one of the passages answers (``answer``);
 * ``doc-qa``: the same passages behind different questions whose answers they state (``answer``);
+* ``entity-swap``: the same passages with some names, years or counts changed, asked for a changed
+  one (``answer``, and the donor's value ``donor_answer``: a served answer giving the donor's
+  value is the donor's text leaking into the target's);
+* ``chat-instruction``: one document under two different instructions in chat turns (the model's
+  chat template when the tokenizer has one);
 * ``edit``: a document with 10-90% of its sentences removed or replaced by other documents'
   (SemShareKV's sweep; ``level``);
 * ``multi-turn``: ShareGPT conversations turn by turn (each turn's prompt holds the ones before);
 * ``negative``: unrelated documents, no donor;
 * a user's JSONL file: ``{"prompt", "group", "role": "donor"|"target", "answer"?,
-  "reference"?}`` per line.
+  "reference"?, "donor_answer"?}`` per line.
 
 Targets carry a ``reference`` where one exists: held-out text the prompt should make likely,
 whose perplexity after the prompt is measured cold and after a hit. Documents: the source text
-that follows the document (kept out of the prompt); doc-qa: the answer; multi-turn: the reply the
-assistant really gave in ShareGPT. rag-reorder has none (its questions have no reference answer).
+that follows the document (kept out of the prompt); doc-qa, rag-qa, entity-swap: the answer;
+multi-turn: the reply the assistant really gave in ShareGPT. rag-reorder has none (its questions
+have no reference answer).
 
 Context length is in tokens of ``tokenizer`` when given, else estimated at 4 characters a token.
 """
@@ -34,7 +42,17 @@ from typing import Callable
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.text import sharegpt_conversations, wiki_document, wiki_extracts
 
-WORKLOADS = ("cross-instruction", "rag-reorder", "doc-qa", "edit", "multi-turn", "negative")
+WORKLOADS = (
+    "cross-instruction",
+    "chat-instruction",
+    "rag-reorder",
+    "rag-qa",
+    "doc-qa",
+    "entity-swap",
+    "edit",
+    "multi-turn",
+    "negative",
+)
 EDIT_LEVELS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CHARS_PER_TOKEN = 4
 REFERENCE_TOKENS = 48  # length of a held-out continuation
@@ -53,6 +71,7 @@ class BenchRequest:
     answer: str | None = None  # doc-qa: text the answer must contain
     level: float | None = None  # edit: share of sentences changed
     reference: str | None = None  # held-out text scored after the prompt (perplexity)
+    donor_answer: str | None = None  # entity-swap: the value the donor's text gave instead
 
 
 class Sizer:
@@ -103,18 +122,23 @@ def load_file(path: str | Path) -> list[BenchRequest]:
                 raise ValueError("'prompt' must be a non-empty string")
             if role not in ("donor", "target"):
                 raise ValueError(f'\'role\' must be "donor" or "target", not {role!r}')
-            answer, reference = item.get("answer"), item.get("reference")
-            for key, value in (("answer", answer), ("reference", reference)):
+            texts = {key: item.get(key) for key in ("answer", "reference", "donor_answer")}
+            for key, value in texts.items():
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"'{key}' must be a non-empty string")
+            if texts["donor_answer"] is not None and texts["answer"] is None:
+                raise ValueError(
+                    "'donor_answer' needs an 'answer' (the value it is checked against)"
+                )
             out.append(
                 BenchRequest(
                     "file",
                     str(item.get("group", f"line-{number}")),
                     role,
                     prompt,
-                    answer,
-                    reference=reference,
+                    texts["answer"],
+                    reference=texts["reference"],
+                    donor_answer=texts["donor_answer"],
                 )
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -217,6 +241,223 @@ def _doc_qa(groups, tokens, sizer, rng):
     return out
 
 
+# ---- passages around facts (rag-qa, entity-swap) -------------------------------------------------
+PASSAGE_TOKENS = 160  # longest padding passage: a retriever's chunk, so small contexts hold several
+PASSAGE_OVERHEAD = 6  # tokens a passage adds beyond its title and body ("[12] ", line breaks)
+FACT_SHARE = 0.6  # most of a context the fact passages may fill (the rest is other passages)
+MAX_QUESTIONS = 3  # targets per group
+
+
+def _fact_questions(g: int, tokens: int, sizer: Sizer) -> list[tuple[str, str]]:
+    """Group ``g``'s questions (each group starts at another one), as many as fit: the first
+    always, the next while their passages stay within ``FACT_SHARE`` of the context."""
+    facts = P.fact_passages()
+    k = g % len(P.FACT_VALUE_QUESTIONS)
+    rotated = P.FACT_VALUE_QUESTIONS[k:] + P.FACT_VALUE_QUESTIONS[:k]
+    chosen, titles = [rotated[0]], {P.fact_title(rotated[0][0])}
+    for question, answer in rotated[1:]:
+        if len(chosen) == MAX_QUESTIONS:
+            break
+        more = titles | {P.fact_title(question)}
+        if sum(sizer.count(facts[t]) for t in more) <= FACT_SHARE * tokens:
+            chosen.append((question, answer))
+            titles = more
+    return chosen
+
+
+def _fact_bundle(questions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The fact passages the questions ask about, each once."""
+    facts = P.fact_passages()
+    titles = dict.fromkeys(P.fact_title(q) for q, _ in questions)
+    return [(title, facts[title]) for title in titles]
+
+
+def _padding(
+    rng: random.Random, budget: int, sizer: Sizer, avoid: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    """Other wiki extracts, each cut to ``PASSAGE_TOKENS``, filling about ``budget`` tokens. None
+    is a fact passage or holds a string of ``avoid``: the answers stay where they were put."""
+    extracts = wiki_extracts()
+    out: list[tuple[str, str]] = []
+    left = budget
+    while True:
+        title, body = extracts[rng.randrange(len(extracts))]
+        if title in P.FACT_TITLES or any(a in title or a in body for a in avoid):
+            continue
+        room = left - PASSAGE_OVERHEAD - sizer.count(title)
+        if room < 16:  # too little left for a passage worth reading
+            return out
+        body = sizer.cut(body, min(PASSAGE_TOKENS, room))
+        out.append((title, body))
+        left -= sizer.count(title + "\n" + body) + PASSAGE_OVERHEAD
+
+
+def _rag_qa(groups, tokens, sizer, rng):
+    """Fact passages among other wiki extracts; the donor has them in one order under a RAG
+    header and a general question, each target in another order under another header, asking a
+    question one fact passage answers (before and after the passages, as ``fact_prompt`` does)."""
+    out = []
+    for g in range(groups):
+        questions = _fact_questions(g, tokens, sizer)
+        facts = _fact_bundle(questions)
+        # the plain headers: in a chat turn SmolLM2-135M got every fact question wrong (pairs.py)
+        header = rng.choice(P.TARGET_HEADERS[1:])
+        longest = max((q for q, _ in questions), key=sizer.count)
+        fixed = sizer.count(_rag_question(header, P.passages(facts), longest))
+        bundle = facts + _padding(rng, tokens - fixed, sizer, avoid=())
+        if len(bundle) < 2:
+            raise WorkloadError(
+                f"rag-qa: {tokens} tokens hold one passage, nothing to reorder (ask for 512+)"
+            )
+        rng.shuffle(bundle)
+        reordered = bundle[:]
+        while reordered == bundle:
+            rng.shuffle(reordered)
+        group = f"rag-qa-{g}"
+        donor = (
+            rng.choice(P.DONOR_HEADERS)
+            + P.passages(bundle)
+            + "\n\n"
+            + rng.choice(P.DONOR_QUESTIONS)
+        )
+        out.append(BenchRequest("rag-qa", group, "donor", donor))
+        out += [
+            BenchRequest(
+                "rag-qa",
+                group,
+                "target",
+                _rag_question(header, P.passages(reordered), question),
+                answer,
+                reference=" " + answer,
+            )
+            for question, answer in questions
+        ]
+    return out
+
+
+def _rag_question(header: str, passages: str, question: str) -> str:
+    return f"{header}Question: {question}\n\n{passages}\n\nQuestion: {question}\nShort answer:"
+
+
+# Surnames a swapped name becomes: common enough to read as names, tied to none of the facts.
+SWAP_SURNAMES = ("Halloway", "Brandt", "Lindqvist", "Castellano", "Thorncroft", "Ashdown")
+SWAP_OTHERS = 2  # values changed beside the asked one
+
+
+def _entity_swap(groups, tokens, sizer, rng):
+    """Fact passages among other wiki extracts, asked a question whose answer is one value; each
+    target is the donor's text with that value changed everywhere (and up to ``SWAP_OTHERS`` of
+    the group's other asked values), asking for it. Donor and target differ only in those values
+    (and the question), so a hit serves the target nearly all of the donor's KV: a served answer
+    that gives the donor's value is the donor's text leaking through."""
+    out = []
+    for g in range(groups):
+        questions = _fact_questions(g, tokens, sizer)
+        facts = _fact_bundle(questions)
+        values = tuple(answer for _, answer in questions)
+        longest = max((q for q, _ in questions), key=sizer.count)
+        fixed = sizer.count(P.fact_prompt(_plain_passages(facts), longest))
+        bundle = facts + _padding(rng, tokens - fixed, sizer, avoid=values)
+        rng.shuffle(bundle)
+        document = _plain_passages(bundle)
+        donor = P.fact_prompt(document, questions[0][0])
+        changed = _new_values(values, donor, rng)
+        group = f"entity-swap-{g}"
+        out.append(BenchRequest("entity-swap", group, "donor", donor))
+        for question, answer in questions:
+            others = [v for v in values if v != answer]
+            swapped = [answer] + rng.sample(others, min(SWAP_OTHERS, len(others)))
+            target_doc = document
+            for value in swapped:
+                target_doc = target_doc.replace(value, changed[value])
+            out.append(
+                BenchRequest(
+                    "entity-swap",
+                    group,
+                    "target",
+                    P.fact_prompt(target_doc, question),
+                    changed[answer],
+                    reference=" " + changed[answer],
+                    donor_answer=answer,
+                )
+            )
+    return out
+
+
+def _plain_passages(bundle: list[tuple[str, str]]) -> str:
+    return "\n\n".join(f"{title}\n{body}" for title, body in bundle)
+
+
+def _new_values(values: tuple[str, ...], donor: str, rng: random.Random) -> dict[str, str]:
+    """Another value of the same kind for each one (a year a few years off, a count of as many
+    digits, another surname), found nowhere in the donor's prompt and neither holding nor held by
+    any other value, old or new: substring checks of answers then tell them apart."""
+    out: dict[str, str] = {}
+    for value in values:
+        while True:
+            if value.isdigit() and len(value) == 4:
+                new = str(int(value) + rng.choice([d for d in range(-40, 41) if abs(d) >= 3]))
+            elif value.isdigit():
+                new = str(rng.randrange(10 ** (len(value) - 1), 10 ** len(value)))
+            else:
+                new = rng.choice(SWAP_SURNAMES)
+            taken = values + tuple(out.values())
+            if new not in donor and not any(new in t or t in new for t in taken):
+                out[value] = new
+                break
+    return out
+
+
+# ---- chat turns (chat-instruction) ------------------------------------------------------------
+# (system message, instruction, whether the instruction comes before the document): the donor
+# and target sides share none, so the two prompts differ in every turn around the document.
+CHAT_DONOR_TURNS = (
+    ("You are a concise assistant.", "Summarize the following article in three sentences.", True),
+    ("You are an editor at a newspaper.", "Suggest a headline for this text.", False),
+)
+CHAT_TARGET_TURNS = (
+    ("You are a careful fact-checker.", "List every date and number this text mentions.", False),
+    ("You answer questions for students.", "Explain the text below to a twelve-year-old.", True),
+)
+
+
+def _chat_turns(sizer: Sizer, system: str, user: str) -> str:
+    """A system and a user turn, ending where the assistant answers: in the tokenizer's own chat
+    template when it has one (what a chat client sends), else in a plain format."""
+    tok = sizer.tok
+    if tok is not None and getattr(tok, "chat_template", None):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"System: {system}\n\nUser: {user}\n\nAssistant:"
+
+
+def _chat_prompt(sizer: Sizer, turns: tuple[str, str, bool], doc: str) -> str:
+    system, instruction, before = turns
+    user = f"{instruction}\n\n{doc}" if before else f"{doc}\n\n{instruction}"
+    return _chat_turns(sizer, system, user)
+
+
+def _chat_instruction(groups, tokens, sizer, rng):
+    out = []
+    for g in range(groups):
+        donor_turns = rng.choice(CHAT_DONOR_TURNS)
+        target_turns = rng.choice(CHAT_TARGET_TURNS)
+        wrapping = max(sizer.count(_chat_prompt(sizer, t, "")) for t in (donor_turns, target_turns))
+        doc, following = _document(rng, max(tokens - wrapping, 32), sizer)
+        group = f"chat-instruction-{g}"
+        out += [
+            BenchRequest("chat-instruction", group, "donor", _chat_prompt(sizer, donor_turns, doc)),
+            BenchRequest(
+                "chat-instruction",
+                group,
+                "target",
+                _chat_prompt(sizer, target_turns, doc),
+                reference=following,
+            ),
+        ]
+    return out
+
+
 def _edit(groups, tokens, sizer, rng):
     out = []
     for g in range(groups):
@@ -311,8 +552,11 @@ def _negative(groups, tokens, sizer, rng):
 
 _BUILDERS: dict[str, Callable] = {
     "cross-instruction": _cross_instruction,
+    "chat-instruction": _chat_instruction,
     "rag-reorder": _rag_reorder,
+    "rag-qa": _rag_qa,
     "doc-qa": _doc_qa,
+    "entity-swap": _entity_swap,
     "edit": _edit,
     "multi-turn": _multi_turn,
     "negative": _negative,

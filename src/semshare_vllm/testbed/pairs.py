@@ -245,9 +245,35 @@ FACT_QUESTIONS = (
 )
 
 
-def fact_document() -> str:
+# Questions whose answer is one value (a name, a year, a count) that one fact passage states:
+# FACT_QUESTIONS, then more of the same kind. The value is the only text the answer must hold, so
+# a workload can also change it in the passage and ask for the new one (semshare-bench's
+# entity-swap).
+FACT_VALUE_QUESTIONS = FACT_QUESTIONS + (
+    ("In what year was Candide first published?", "1759"),
+    ("In what year was Les Demoiselles d'Avignon painted?", "1907"),
+    ("In what year did Superman first appear in Action Comics?", "1938"),
+    ("In what year was The Structure of Scientific Revolutions published?", "1962"),
+    ("How many performances did Death of a Salesman run for on Broadway?", "742"),
+)
+
+
+def fact_passages() -> dict[str, str]:
+    """The fact extracts by title."""
     by_title = dict(wiki_extracts())
-    return "\n\n".join(f"{title}\n{by_title[title]}" for title in FACT_TITLES)
+    return {title: by_title[title] for title in FACT_TITLES}
+
+
+def fact_title(question: str) -> str:
+    """The fact extract a question asks about (the one whose title it names)."""
+    named = [title for title in FACT_TITLES if title in question]
+    if len(named) != 1:
+        raise ValueError(f"{question!r} names {len(named)} fact titles, not one")
+    return named[0]
+
+
+def fact_document() -> str:
+    return "\n\n".join(f"{title}\n{body}" for title, body in fact_passages().items())
 
 
 def fact_prompt(document: str, question: str) -> str:

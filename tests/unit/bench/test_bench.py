@@ -208,6 +208,11 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
         assert by[name]["cold"]["median_ttft_ms"] > 0 and by[name]["hit_only_speedup"] > 0
     assert by["negative"]["hits"] == 0 and by["negative"]["miss_overhead"] is not None
     assert by["doc-qa"]["accuracy_cold"] is not None
+    assert by["rag-qa"]["accuracy_cold"] is not None
+    # entity-swap: donor values counted over the targets cold got right, only there
+    swap = by["entity-swap"]
+    assert 0 <= swap["donor_value_answers"] <= swap["donor_value_cold_right"] <= swap["targets"]
+    assert all(s["donor_value_answers"] is None for n, s in by.items() if n != "entity-swap")
     # references scored after hits: vLLM's prompt logprobs, the connector serving the prompt
     for name in ("cross-instruction", "doc-qa"):
         assert 0.5 < by[name]["perplexity_ratio_hits"] < 2.0, (name, by[name])
@@ -216,6 +221,6 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     rows = result["results"]["512"]["requests"]
     assert all(r["cold_output"] and r["semshare_output"] and r["noise_output"] for r in rows)
     assert all(0.0 <= s["rouge_l_noise_floor"] <= 1.0 for s in by.values())
-    assert "| 512 | cross-instruction |" in printed
+    assert "| 512 | cross-instruction |" in printed and "| 512 | entity-swap |" in printed
     assert (plots / "ttft_vs_context.png").stat().st_size > 1000
     assert (plots / "fidelity_vs_edit.png").stat().st_size > 1000

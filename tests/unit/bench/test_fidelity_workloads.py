@@ -1,0 +1,238 @@
+"""`semshare-bench`'s held-out fidelity workloads (rag-qa, entity-swap, chat-instruction), built
+from real text with the served model's tokenizer at 512, 2K and 8K tokens, and the report's count
+of served answers that gave the donor's value."""
+
+import json
+
+import pytest
+
+from semshare_vllm.bench import cli, report
+from semshare_vllm.bench import workloads as W
+from semshare_vllm.bench.client import Completion
+from semshare_vllm.bench.measure import Measured
+from semshare_vllm.testbed import pairs as P
+from semshare_vllm.testbed.models import smollm2_tokenizer
+
+SIZES = (512, 2048, 8192)
+
+
+@pytest.fixture(scope="module")
+def sizer():
+    return W.Sizer(smollm2_tokenizer())
+
+
+def _by_group(reqs):
+    groups = {}
+    for r in reqs:
+        groups.setdefault(r.group, []).append(r)
+    return [
+        ([r for r in rs if r.role == "donor"], [r for r in rs if r.role == "target"])
+        for rs in groups.values()
+    ]
+
+
+def _within(sizer, prompt, tokens, share=0.15):
+    return abs(sizer.count(prompt) - tokens) <= share * tokens
+
+
+@pytest.mark.parametrize("tokens", SIZES)
+def test_rag_qa_reorders_passages_and_asks_what_one_states(sizer, tokens):
+    reqs = W.build("rag-qa", 3, tokens, sizer, seed=1)
+    assert all(_within(sizer, r.prompt, tokens) for r in reqs)
+    facts = P.fact_passages()
+    for donors, targets in _by_group(reqs):
+        [donor] = donors
+        assert donor.answer is None and 1 <= len(targets) <= W.MAX_QUESTIONS
+        donor_passages = donor.prompt.split("\n\n[1] ", 1)[1]
+        for t in targets:
+            question = t.prompt.rsplit("Question: ", 1)[1].split("\n")[0]
+            assert (question, t.answer) in P.FACT_VALUE_QUESTIONS
+            assert t.reference == " " + t.answer
+            # the passage that states the answer is in the target, whole, and in the donor too
+            stating = facts[P.fact_title(question)]
+            assert t.answer in stating and stating in t.prompt and stating in donor.prompt
+            # the same passages (titles and bodies), in another order, under another header
+            target_passages = t.prompt.split("\n\n[1] ", 1)[1]
+            assert _passages(donor_passages) != _passages(target_passages)
+            assert sorted(_passages(donor_passages)) == sorted(_passages(target_passages))
+            assert t.prompt.split("\n")[0] != donor.prompt.split("\n")[0]
+        # each target of a group asks its own question over the same bundle
+        assert len({t.answer for t in targets}) == len(targets)
+        assert len({_passages(t.prompt.split("\n\n[1] ", 1)[1]) for t in targets}) == 1
+    if tokens >= 2048:  # room for several fact passages, hence several questions a group
+        assert all(len(targets) == W.MAX_QUESTIONS for _, targets in _by_group(reqs))
+
+
+def test_rag_qa_refuses_a_context_too_small_to_reorder(sizer):
+    with pytest.raises(W.WorkloadError, match="nothing to reorder"):
+        W.build("rag-qa", 1, 128, sizer)
+
+
+def _passages(numbered: str) -> tuple[str, ...]:
+    """The passages of ``P.passages`` output (the first one's "[1] " already cut off), without
+    their numbers or the question after the last one."""
+    import re
+
+    body = numbered.rsplit("\n\nQuestion: ", 1)[0]
+    return tuple(re.split(r"\n\n\[\d+\] ", body))
+
+
+@pytest.mark.parametrize("tokens", SIZES)
+def test_entity_swap_targets_state_a_value_the_donor_does_not(sizer, tokens):
+    reqs = W.build("entity-swap", 3, tokens, sizer, seed=2)
+    assert all(_within(sizer, r.prompt, tokens) for r in reqs)
+    for donors, targets in _by_group(reqs):
+        [donor] = donors
+        assert targets and donor.donor_answer is None
+        for t in targets:
+            assert t.answer and t.donor_answer and t.answer != t.donor_answer
+            assert t.answer in t.prompt and t.donor_answer not in t.prompt
+            assert t.donor_answer in donor.prompt and t.answer not in donor.prompt
+            assert t.reference == " " + t.answer
+            question = t.prompt.rsplit("Question: ", 1)[1].split("\n")[0]
+            assert (question, t.donor_answer) in P.FACT_VALUE_QUESTIONS  # it asks what changed
+        # the target is the donor's text with values changed (the asked one and maybe others of
+        # the group's): mapping every new value back gives the donor's passages exactly
+        back = {t.answer: t.donor_answer for t in targets}
+        for t in targets:
+            text = _fact_document(t.prompt)
+            for new, old in back.items():
+                text = text.replace(new, old)
+            assert text == _fact_document(donor.prompt)
+            changed = sum(new in t.prompt for new in back)
+            assert 1 <= changed <= 1 + W.SWAP_OTHERS
+
+
+def _fact_document(prompt: str) -> str:
+    """The passages of a ``P.fact_prompt`` prompt (between the two questions)."""
+    return prompt.split("\n\n", 1)[1].rsplit("\n\nQuestion: ", 1)[0]
+
+
+def test_entity_swap_values_are_distinct_from_every_other():
+    import random
+
+    donor = "Written by Voltaire in 1759, it ran 742 times; 1771 and Halloway appear here."
+    values = ("Voltaire", "1759", "742")
+    for seed in range(50):
+        new = W._new_values(values, donor, random.Random(seed))
+        assert set(new) == set(values)
+        assert all(v not in donor for v in new.values())
+        assert new["1759"].isdigit() and 3 <= abs(int(new["1759"]) - 1759) <= 40
+        assert len(new["742"]) == 3 and new["Voltaire"] in W.SWAP_SURNAMES
+        everything = list(values) + list(new.values())
+        assert not any(a != b and a in b for a in everything for b in everything)
+
+
+@pytest.mark.parametrize("tokens", SIZES)
+def test_chat_instruction_is_one_document_in_two_chats(sizer, tokens):
+    reqs = W.build("chat-instruction", 2, tokens, sizer, seed=0)
+    assert all(_within(sizer, r.prompt, tokens, share=0.05) for r in reqs)
+    for [donor], [target] in _by_group(reqs):
+        # SmolLM2's own chat template: a system turn, a user turn, the assistant's turn opened
+        for r in (donor, target):
+            assert r.prompt.startswith("<|im_start|>system\n")
+            assert r.prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        doc = _chat_document(donor.prompt)
+        assert sizer.count(doc) > 0.9 * tokens - 60 and doc == _chat_document(target.prompt)
+        assert donor.prompt.split("\n")[1] != target.prompt.split("\n")[1]  # other systems
+        assert 30 <= sizer.count(target.reference) <= W.REFERENCE_TOKENS + 2
+        assert target.reference not in target.prompt
+
+
+def _chat_document(prompt: str) -> str:
+    """The document of a chat-instruction prompt: the user turn less its instruction."""
+    user = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    instructions = [i for _, i, _ in W.CHAT_DONOR_TURNS + W.CHAT_TARGET_TURNS]
+    [instruction] = [i for i in instructions if user.startswith(i) or user.endswith(i)]
+    return user.replace(instruction, "").strip("\n")
+
+
+def test_chat_instruction_without_a_tokenizer_uses_plain_turns():
+    reqs = W.build("chat-instruction", 1, 512, W.Sizer())
+    for r in reqs:
+        assert r.prompt.startswith("System: ") and "\n\nUser: " in r.prompt
+        assert r.prompt.endswith("\n\nAssistant:")
+        assert abs(len(r.prompt) - 512 * W.CHARS_PER_TOKEN) < 0.1 * 512 * W.CHARS_PER_TOKEN
+
+
+# ---- the report: donor values among the targets cold got right -----------------------------
+def _measured(cold: str, served: str, answer="1985", donor_answer="1949", workload="entity-swap"):
+    request = W.BenchRequest(
+        workload, "g", "target", "prompt", answer, reference=None, donor_answer=donor_answer
+    )
+    return Measured(
+        request,
+        cold=Completion(cold, 0.2, 0.3, 0, 100),
+        served=Completion(served, 0.1, 0.2, 0, 100),
+        connector_tokens=90,
+    )
+
+
+def test_donor_values_count_only_where_cold_was_right():
+    results = [
+        _measured("It premiered in 1985.", "It premiered in 1949."),  # leaked: counted
+        _measured("1985", "1985"),  # right: judged, not counted
+        _measured("1985", "1949 or maybe 1985"),  # holds the target's value too: not counted
+        _measured("1949", "1949"),  # cold wrong: the donor is not to blame, not judged
+        _measured("I do not know", "1949"),  # cold wrong again
+        _measured("Voltaire", "Voltaire", answer="Voltaire", donor_answer=None, workload="rag-qa"),
+    ]
+    summaries = report.summarize(results)
+    swap, rag = summaries["entity-swap"], summaries["rag-qa"]
+    assert (swap["donor_value_answers"], swap["donor_value_cold_right"]) == (1, 3)
+    assert swap["accuracy_cold"] == pytest.approx(3 / 5)
+    assert rag["donor_value_answers"] is None and rag["donor_value_cold_right"] is None
+    rows = report.request_rows(results)
+    assert [r["semshare_gave_donor_value"] for r in rows] == [True, False, False, None, None, None]
+    assert [r["donor_answer"] for r in rows][:2] == ["1949", "1949"]
+    assert [r["cold_correct"] for r in rows] == [True, True, True, False, False, True]
+    assert rows[0]["semshare_correct"] is False and rows[2]["semshare_correct"] is True
+    lines = report.table({512: summaries}).splitlines()
+    assert lines[0].endswith("| accuracy (served / cold) | donor value (of cold right) |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert lines[2].startswith("| 512 | entity-swap |") and lines[2].endswith("| 1 / 3 |")
+    assert lines[3].startswith("| 512 | rag-qa |") and lines[3].endswith("| 100% / 100% | - |")
+
+
+def test_no_cold_right_target_counts_zero_of_zero():
+    summary = report.summarize([_measured("no idea", "1949")])["entity-swap"]
+    assert (summary["donor_value_answers"], summary["donor_value_cold_right"]) == (0, 0)
+
+
+def test_the_json_carries_the_donor_value_figures(tmp_path):
+    results = [_measured("1985", "1949")]
+    out = tmp_path / "r.json"
+    report.write_json(
+        out, {}, {512: report.summarize(results)}, {512: report.request_rows(results)}, True
+    )
+    saved = json.loads(out.read_text())["results"]["512"]
+    assert saved["workloads"]["entity-swap"]["donor_value_answers"] == 1
+    assert saved["requests"][0]["semshare_gave_donor_value"] is True
+
+
+# ---- registration and the workload file ------------------------------------------------------
+def test_the_new_workloads_are_registered_and_in_all():
+    for name in ("rag-qa", "entity-swap", "chat-instruction"):
+        assert name in W.WORKLOADS and name in W._BUILDERS
+    assert set(W._BUILDERS) == set(W.WORKLOADS)
+    args = cli.parse_args(["--base-url", "http://x", "--workloads", "all"])
+    assert set(args.workload_names) >= {"rag-qa", "entity-swap", "chat-instruction"}
+
+
+def test_a_workload_file_may_carry_the_donor_value(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        '{"prompt": "It opened in 1949.", "group": "g", "role": "donor"}\n'
+        '{"prompt": "It opened in 1985.", "group": "g", "answer": "1985", "donor_answer": "1949"}\n'
+    )
+    assert [(r.answer, r.donor_answer) for r in W.load_file(path)] == [
+        (None, None),
+        ("1985", "1949"),
+    ]
+    for line, why in [
+        ('{"prompt": "p", "answer": "a", "donor_answer": 3}', "'donor_answer' must be"),
+        ('{"prompt": "p", "donor_answer": "b"}', "'donor_answer' needs an 'answer'"),
+    ]:
+        path.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(W.WorkloadError, match=f"line 2: {why}"):
+            W.load_file(path)
