@@ -30,7 +30,7 @@ TARGET = (
 def provenance(body):
     got = body["kv_transfer_params"][KEY]
     assert got["prompt_tokens"] == body["usage"]["prompt_tokens"]
-    assert got["escalations"] == 0 and got["load_failed"] is False
+    assert got["escalations"] in (0, 1, 2) and got["load_failed"] is False
     return got
 
 
@@ -67,6 +67,9 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         assert hit["recompute_policy"] == "adaptive" and hit["repair_report"] == "received"
         assert 0 < hit["recompute_share"] < 1
         assert 0 <= hit["deviation_after"] < hit["deviation_before"]
+        # the gate measured what was left: under the bound, or it escalated
+        assert hit["gate_residual"] is not None
+        assert hit["escalations"] > 0 or hit["gate_residual"] <= 0.02
 
         # nothing like it: a miss
         miss = provenance(srv.completion_body(wiki_document(1600, 2000), max_tokens=1))

@@ -130,6 +130,30 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
     assert out["num_cached_tokens"] == 0
 
 
+def test_with_an_error_bound_of_zero_the_gate_escalates_to_every_token_and_answers_as_cold(
+    llm, sched, worker, prompts, reference, monkeypatch
+):
+    """Fail-closed: the adaptive policy's gate finds error left above a bound of 0, and the same
+    recompute escalates to every loaded token; the hit then answers exactly as cold (tokens and
+    logprobs), and its provenance says it escalated."""
+    from dataclasses import replace
+
+    run(llm, prompts["a"])  # (already a donor after the first test; harmless)
+    donor_ready(llm, sched, worker, prompts["c"])
+    strict = replace(worker.loads.config, recompute_error_bound=0.0)
+    monkeypatch.setattr(worker.loads, "config", strict)
+    before = totals(sched, worker)
+    out = run(llm, prompts["b"])
+    after = totals(sched, worker)
+    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
+    assert after["recompute_escalated_loads"] - before.get("recompute_escalated_loads", 0) == 1
+    prov = out["kv_transfer_params"]["semshare_provenance"]
+    assert prov["served"] == "semantic" and prov["escalations"] >= 1
+    assert prov["recompute_share"] >= 1.0 and prov["gate_residual"] > 0
+    assert out["token_ids"] == reference["token_ids"]
+    assert max(abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])) < 1e-3
+
+
 def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(
     llm, sched, worker, prompts, references
 ):

@@ -252,6 +252,17 @@ SCENARIOS = {
     "collectives": collectives,
     "cacheblend": lambda rank: _load_once(rank, "cacheblend"),
     "semsharekv": lambda rank: _load_once(rank, "semsharekv", semsharekv_window=8),
+    # check layer 0 (capped at 30%), gate at 1, a bound the gate cannot meet: both ranks
+    # escalate alike
+    "adaptive": lambda rank: _load_once(
+        rank,
+        "adaptive",
+        recompute_check_layer=0,
+        recompute_gate_layer=1,
+        recompute_error_bound=1e-6,
+        recompute_max_share=0.3,
+        recompute_attention_window=8,
+    ),
     "exact_load_lost_on_rank0": lambda rank: _load_once(rank, "none", _drop_donor_on_rank0),
     "repaired_load_lost_on_rank0": lambda rank: _load_once(
         rank, "cacheblend", _drop_donor_on_rank0

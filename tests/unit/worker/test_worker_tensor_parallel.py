@@ -30,7 +30,7 @@ def test_the_collectives_agree_over_vllms_tensor_parallel_group(pair):
     assert r0["scores"] == r1["scores"] == [3.0, 2.0]
 
 
-@pytest.mark.parametrize("policy", ["cacheblend", "semsharekv"])
+@pytest.mark.parametrize("policy", ["cacheblend", "semsharekv", "adaptive"])
 def test_both_ranks_recompute_the_same_positions(pair, policy):
     r0, r1 = pair.run(policy)
     assert "error" not in r0 and "error" not in r1, (r0, r1)
@@ -38,7 +38,11 @@ def test_both_ranks_recompute_the_same_positions(pair, policy):
     (a,), (b,) = r0["recomputes"], r1["recomputes"]
     assert a["per_layer"] == b["per_layer"]
     assert a["positions"] == b["positions"]
-    assert 0 < len(a["positions"]) < a["per_layer"][0]  # the policy did choose
+    if policy == "adaptive":  # escalated to every position: layer 0 twice for all
+        assert a["per_layer"][0] == 2 * len(a["positions"])
+        assert r0["stats"]["recompute_escalations"] == r1["stats"]["recompute_escalations"] > 0
+    else:
+        assert 0 < len(a["positions"]) < a["per_layer"][0]  # the policy did choose
 
 
 @pytest.mark.parametrize("scenario", ["exact_load_lost_on_rank0", "repaired_load_lost_on_rank0"])
