@@ -26,6 +26,8 @@ class Completion:
 
 
 _COUNTER = re.compile(r"^vllm:semshare_(\w+)_total\{[^}]*\} (\S+)$", re.M)
+# a histogram's sum and count, read as counters named <histogram>_sum / <histogram>_count
+_HISTOGRAM = re.compile(r"^vllm:semshare_(\w+_(?:sum|count))\{[^}]*\} (\S+)$", re.M)
 
 
 class Endpoint:
@@ -58,13 +60,14 @@ class Endpoint:
             )
 
     def counters(self) -> dict[str, float]:
-        """The connector's counters (``vllm:semshare_<name>_total``, summed over engines)."""
+        """The connector's counters (``vllm:semshare_<name>_total``, summed over engines), and
+        each histogram's ``<name>_sum`` and ``<name>_count``."""
         try:
             text = requests.get(self.url + "/metrics", timeout=10).text
         except requests.RequestException:
             return {}
         out: dict[str, float] = {}
-        for name, value in _COUNTER.findall(text):
+        for name, value in _COUNTER.findall(text) + _HISTOGRAM.findall(text):
             out[name] = out.get(name, 0.0) + float(value)
         return out
 

@@ -32,6 +32,10 @@ class Measured:
     scored_tokens: int = 0
     # the target cold again, beside another request (None: no noise floor measured)
     noise: Completion | None = None
+    # the served request's repair, from the connector's metrics (None: not repaired, or the
+    # figures did not arrive): its recompute share, and whether the gate escalated it
+    recompute_share: float | None = None
+    escalated: bool | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,11 +104,31 @@ def _claimed(endpoint: Endpoint, before: dict[str, float], timeout_s: float = 3.
         time.sleep(0.05)
 
 
-def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completion, int]:
-    """A completion through the connector, and the prompt tokens it claimed for it."""
+def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completion, int, dict]:
+    """A completion through the connector, the prompt tokens it claimed for it, and the
+    connector's metrics before and after it."""
     before = endpoint.counters()
     result = endpoint.complete(prompt, max_tokens)
-    return result, _claimed(endpoint, before)
+    claimed = _claimed(endpoint, before)
+    return result, claimed, {"before": before, "after": endpoint.counters()}
+
+
+def _repair_figures(m: "Measured", metrics: dict) -> None:
+    """The served request's repair from the metrics' change over it: the provenance's
+    ``served_recompute_share`` histogram (one observation per request served from a donor) and
+    the gate's escalated loads. Only where exactly one request was observed."""
+    before, after = metrics["before"], metrics["after"]
+    count = after.get("served_recompute_share_count", 0) - before.get(
+        "served_recompute_share_count", 0
+    )
+    if count != 1:
+        return
+    m.recompute_share = after.get("served_recompute_share_sum", 0) - before.get(
+        "served_recompute_share_sum", 0
+    )
+    m.escalated = after.get("recompute_escalated_loads", 0) > before.get(
+        "recompute_escalated_loads", 0
+    )
 
 
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:
@@ -175,11 +199,12 @@ def measure_target(
 
     if cold_first:
         c = _cold(endpoint, r.prompt, max_tokens, salt)
-        s, claimed = _served(endpoint, r.prompt, max_tokens)
+        s, claimed, metrics = _served(endpoint, r.prompt, max_tokens)
     else:
-        s, claimed = _served(endpoint, r.prompt, max_tokens)
+        s, claimed, metrics = _served(endpoint, r.prompt, max_tokens)
         c = _cold(endpoint, r.prompt, max_tokens, salt)
     m = Measured(r, c, s, claimed)
+    _repair_figures(m, metrics)
     if noise_floor:
         m.noise = cold_beside_another(endpoint, r.prompt, max_tokens)
     if perplexity and r.reference:

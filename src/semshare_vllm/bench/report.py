@@ -76,6 +76,11 @@ def summarize(results: list[Measured]) -> dict:
                 rouge_l(m.noise.text, m.cold.text) for m in rows if m.noise is not None
             ),
             "perplexity_ratio_hits": _median(m.perplexity_ratio for m in hits),
+            # the repair the hits got (recompute_policy adaptive: the share the gate let stand)
+            "recompute_share_hits": _median(m.recompute_share for m in hits),
+            "escalation_rate_hits": _mean([m.escalated for m in hits if m.escalated is not None])
+            if any(m.escalated is not None for m in hits)
+            else None,
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
             ),
@@ -169,6 +174,8 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "reference_nll_semshare": m.served_nll,
             "reference_connector_tokens": m.scored_tokens,
             "perplexity_ratio": m.perplexity_ratio,
+            "recompute_share": m.recompute_share,
+            "escalated": m.escalated,
         }
         for m in results
     ]
@@ -183,8 +190,9 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
     lines = [
         "| context | workload | targets | hit rate | cold TTFT | hit TTFT | hit-only speed-up "
         "| blended | miss overhead | ROUGE-L (hits) | ROUGE-L noise floor | PPL ratio (hits) "
-        "| accuracy (served / cold) | donor value (of cold right) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| accuracy (served / cold) | donor value (of cold right) | recompute share (hits) "
+        "| escalated (hits) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
@@ -201,7 +209,9 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s['blended_speedup'], '.2f', 'x')} | "
                 f"{_fmt(s['miss_overhead'], '+.1%')} | {_fmt(s['rouge_l_hits'], '.2f')} | "
                 f"{_fmt(s['rouge_l_noise_floor'], '.2f')} | "
-                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} | {_donor_cell(s)} |"
+                f"{_fmt(s['perplexity_ratio_hits'], '.3f')} | {acc} | {_donor_cell(s)} | "
+                f"{_fmt(s.get('recompute_share_hits'), '.2f')} | "
+                f"{_fmt(s.get('escalation_rate_hits'), '.0%')} |"
             )
     return "\n".join(lines)
 

@@ -188,10 +188,10 @@ def test_donor_values_count_only_where_cold_was_right():
     assert [r["cold_correct"] for r in rows] == [True, True, True, False, False, True]
     assert rows[0]["semshare_correct"] is False and rows[2]["semshare_correct"] is True
     lines = report.table({512: summaries}).splitlines()
-    assert lines[0].endswith("| accuracy (served / cold) | donor value (of cold right) |")
+    assert "| accuracy (served / cold) | donor value (of cold right) |" in lines[0]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
-    assert lines[2].startswith("| 512 | entity-swap |") and lines[2].endswith("| 1 / 3 |")
-    assert lines[3].startswith("| 512 | rag-qa |") and lines[3].endswith("| 100% / 100% | - |")
+    assert lines[2].startswith("| 512 | entity-swap |") and "| 1 / 3 | - | - |" in lines[2]
+    assert lines[3].startswith("| 512 | rag-qa |") and "| 100% / 100% | - |" in lines[3]
 
 
 def test_no_cold_right_target_counts_zero_of_zero():
@@ -236,3 +236,29 @@ def test_a_workload_file_may_carry_the_donor_value(tmp_path):
         path.write_text('{"prompt": "fine"}\n' + line + "\n")
         with pytest.raises(W.WorkloadError, match=f"line 2: {why}"):
             W.load_file(path)
+
+
+def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
+    """Per served request: the provenance histogram's one observation (its recompute share)
+    and whether the gate escalated it; per workload, their median and rate over the hits."""
+    from semshare_vllm.bench.measure import _repair_figures
+
+    def metrics(share_sum, count, escalated):
+        return {
+            "served_recompute_share_sum": share_sum,
+            "served_recompute_share_count": count,
+            "recompute_escalated_loads": escalated,
+        }
+
+    a, b, c = (_measured("1985", "1985") for _ in range(3))
+    _repair_figures(a, {"before": metrics(1.0, 4, 2), "after": metrics(1.2, 5, 2)})
+    _repair_figures(b, {"before": metrics(1.2, 5, 2), "after": metrics(2.2, 6, 3)})
+    # two requests observed in between (the scoring one, say): nothing is attributed
+    _repair_figures(c, {"before": metrics(2.2, 6, 3), "after": metrics(3.0, 8, 3)})
+    assert (a.recompute_share, a.escalated) == (pytest.approx(0.2), False)
+    assert (b.recompute_share, b.escalated) == (pytest.approx(1.0), True)
+    assert (c.recompute_share, c.escalated) == (None, None)
+    summary = report.summarize([a, b, c])["entity-swap"]
+    assert summary["recompute_share_hits"] == pytest.approx(0.6)
+    assert summary["escalation_rate_hits"] == pytest.approx(0.5)
+    assert report.table({512: {"entity-swap": summary}}).splitlines()[2].endswith("| 0.60 | 50% |")
