@@ -94,6 +94,9 @@ class RepairReport:
     # ran), and how many times it widened the recompute because that was above the bound
     gate_residual: float | None = None
     escalations: int = 0
+    # the gate declined the load (``recompute_decline_share``): it is reported failed, and vLLM
+    # computes its tokens; these figures still say why (and count towards demoting the donor)
+    declined: bool = False
 
 
 @dataclass

@@ -130,17 +130,25 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
     assert out["num_cached_tokens"] == 0
 
 
-def test_with_an_error_bound_of_zero_the_gate_escalates_to_every_token_and_answers_as_cold(
-    llm, sched, worker, prompts, reference, monkeypatch
+@pytest.mark.parametrize("decline_share", [1.0, 0.5])
+def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_as_cold(
+    llm, sched, worker, prompts, reference, monkeypatch, decline_share
 ):
-    """Fail-closed: the adaptive policy's gate finds error left above a bound of 0, and the same
-    recompute escalates to every loaded token; the hit then answers exactly as cold (tokens and
-    logprobs), and its provenance says it escalated."""
+    """Fail-closed: the check layer may keep at most 30% of the tokens, and the adaptive
+    policy's gate then finds error left above a bound of 0. Allowed to
+    escalate to every loaded token (decline share 1.0), the same recompute does so; at the
+    default 0.5 it declines the load instead and vLLM computes the prompt. Either way the
+    request answers exactly as cold (tokens and logprobs), and its provenance says why."""
     from dataclasses import replace
 
     run(llm, prompts["a"])  # (already a donor after the first test; harmless)
     donor_ready(llm, sched, worker, prompts["c"])
-    strict = replace(worker.loads.config, recompute_error_bound=0.0)
+    strict = replace(
+        worker.loads.config,
+        recompute_error_bound=0.0,
+        recompute_max_share=0.3,
+        recompute_decline_share=decline_share,
+    )
     monkeypatch.setattr(worker.loads, "config", strict)
     before = totals(sched, worker)
     out = run(llm, prompts["b"])
@@ -148,8 +156,12 @@ def test_with_an_error_bound_of_zero_the_gate_escalates_to_every_token_and_answe
     assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
     assert after["recompute_escalated_loads"] - before.get("recompute_escalated_loads", 0) == 1
     prov = out["kv_transfer_params"]["semshare_provenance"]
-    assert prov["served"] == "semantic" and prov["escalations"] >= 1
-    assert prov["recompute_share"] >= 1.0 and prov["gate_residual"] > 0
+    assert prov["served"] == "semantic" and prov["escalations"] >= 1 and prov["gate_residual"] > 0
+    if decline_share == 1.0:
+        assert prov["recompute_share"] >= 1.0 and not prov["declined"]
+    else:
+        assert prov["declined"] and prov["load_failed"]
+        assert after["recompute_declined"] - before.get("recompute_declined", 0) == 1
     assert out["token_ids"] == reference["token_ids"]
     assert max(abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])) < 1e-3
 

@@ -51,6 +51,16 @@ class RecomputeConfig(Section):
         minimum=0.0,
         maximum=1.0,
     )
+    recompute_decline_share: float = knob(
+        0.5,
+        "Adaptive: where the gate would escalate to more than this share of the loaded tokens, "
+        "the load is declined instead and vLLM computes the prompt (counted as "
+        "recompute_declined; the request is served as cold). Past about half the tokens, the "
+        "recompute redoing them after its first pass costs more than vLLM's own prefill. 1.0: "
+        "escalate up to every token in the recompute.",
+        minimum=0.0,
+        maximum=1.0,
+    )
     recompute_gate_layer: int = knob(
         8,
         "Adaptive: the layer (0-based) where the error left is measured again, on sentinel "

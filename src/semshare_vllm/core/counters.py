@@ -76,6 +76,8 @@ COUNTERS: dict[str, str] = {
     "and widened in the same recompute (more tokens, up to every one)",
     "recompute_escalations": "widenings of those repairs (at most 2 per repair: more tokens, "
     "then every one)",
+    "recompute_declined": "repairs the gate would have widened past recompute_decline_share: "
+    "declined, their tokens computed by vLLM (reported as failed loads)",
     "donors_demoted_by_escalation": "donors no longer offered because loads from them kept "
     "needing escalation",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "

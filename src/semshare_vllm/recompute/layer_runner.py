@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
-from semshare_vllm.recompute.policy import Escalate, Fixed, LayerProbe, Selection
+from semshare_vllm.recompute.policy import Decline, Escalate, Fixed, LayerProbe, Selection
 from semshare_vllm.vllm_compat import cpu_attention, tensor_parallel
 from semshare_vllm.vllm_compat.decoder_layers import (
     DecoderLayer,
@@ -321,6 +321,8 @@ class LayerRunner:
                     hidden, residual = lay.decoder(pos, hidden, residual)
             fault = fault or stand_in.fault
             keep = selection.after_layer(self._probe(index, pos_np, stand_in, context))
+            if isinstance(keep, Decline):
+                break  # (every tensor-parallel rank decides alike: no collective is left hanging)
             if isinstance(keep, Escalate):
                 if entered is None:
                     raise ValueError("a selection escalated without having narrowed")
@@ -346,7 +348,7 @@ class LayerRunner:
         if fault is not None:
             raise RecomputeFault(f"{type(fault).__name__}: {fault}") from fault
         final = None
-        if final_hidden:
+        if final_hidden and not selection.declined:
             final = self.stack.final_norm(hidden, residual)
         return RecomputeResult(pos_np, final, counts)
 

@@ -56,10 +56,16 @@ class Escalate:
     keep: np.ndarray
 
 
+class Decline:
+    """``after_layer``'s answer where the repair would cost more than computing the prompt:
+    the runner stops, and the load is reported failed (vLLM computes those tokens)."""
+
+
 class Selection:
     """Base: start with ``start``; keep everyone unless a subclass says otherwise."""
 
     escalations = 0  # how many times the selection asked for more in the same recompute
+    declined = False  # it answered ``Decline``
 
     window = 0  # last tokens whose attention the probe sums (0: no attention probe)
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
@@ -81,9 +87,10 @@ class Selection:
         """(deviation, attention) wanted after ``layer``."""
         return False, False
 
-    def after_layer(self, probe: LayerProbe) -> np.ndarray | Escalate | None:
-        """Indices into ``probe.positions`` that go on (sorted), None for all, or ``Escalate``
-        to run the narrowing layer and those after it again with more positions."""
+    def after_layer(self, probe: LayerProbe) -> np.ndarray | Escalate | Decline | None:
+        """Indices into ``probe.positions`` that go on (sorted), None for all, ``Escalate``
+        to run the narrowing layer and those after it again with more positions, or
+        ``Decline``."""
         return None
 
     def narrows_at(self, layer: int) -> bool:
@@ -212,6 +219,9 @@ class Adaptive(Selection):
       to as many positions (in the check layer's order) as leave little enough weight for
       that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
       to every candidate. Without a gate layer, the check layer's choice stands.
+    * Decline: an escalation that would recompute more than ``decline_share`` of the candidates
+      is not run; the load is declined (``Decline``) and vLLM computes the prompt, which is
+      cheaper than the runner redoing most tokens after its first pass.
     """
 
     CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
@@ -228,9 +238,11 @@ class Adaptive(Selection):
         sentinels: float = 0.03,
         window: int = 32,
         min_tokens: int = 0,
+        decline_share: float = 1.0,
     ):
         super().__init__(candidates, always)
         self.bound, self.min_share, self.max_share = bound, min_share, max_share
+        self.decline_share = decline_share
         self.check_layer, self.window, self.min_tokens = check_layer, window, min_tokens
         # no gate where it would not come after the check layer
         self.gate_layer = gate_layer if gate_layer > check_layer else None
@@ -309,7 +321,7 @@ class Adaptive(Selection):
         return np.union1d(self._kept, self._sentinels)
 
     # ---- the gate layer ----------------------------------------------------------------------
-    def _gate(self, probe: LayerProbe) -> np.ndarray | Escalate:
+    def _gate(self, probe: LayerProbe) -> np.ndarray | Escalate | Decline:
         idx = np.searchsorted(self.candidates, probe.positions)  # candidate index of each
         dev = np.sqrt(np.clip(probe.deviation, 0, None))
         weight = self._weights(probe.attention)
@@ -331,9 +343,21 @@ class Adaptive(Selection):
             )
             count = _first_at_most(w_left, self.bound / mean_dev)
             if count > len(self._kept) - len(self._forced):
+                if self._too_many(count):
+                    return self._decline()
                 return Escalate(self._keep(count))
+        if self._too_many(len(self._order)):
+            return self._decline()
         self._keep(len(self._order))  # every candidate: nothing is left, no gate again
         return Escalate(np.arange(len(self.candidates)))
+
+    def _too_many(self, count: int) -> bool:
+        return (count + len(self._forced)) > self.decline_share * len(self.candidates)
+
+    def _decline(self) -> Decline:
+        self.declined = True
+        self._sentinels = np.zeros(0, dtype=np.int64)
+        return Decline()
 
 
 def _first_at_most(left: np.ndarray, bound: float) -> int:
@@ -409,6 +433,7 @@ def make_selection(
             config.recompute_sentinels,
             config.recompute_attention_window,
             config.recompute_min_tokens,
+            config.recompute_decline_share,
         )
     if policy == "semsharekv":
         return SemShareKV(

@@ -99,6 +99,9 @@ class Provenance:
         served = state.served
         kind = served.kind
         share, status, before, after, gate, escalations = None, None, None, None, None, 0
+        declined = served.repair is not None and served.repair.declined
+        if declined:  # the gate declined it: vLLM computed the prompt; say why
+            gate, escalations = served.repair.gate_residual, served.repair.escalations
         if kind != "none" and not state.load_failed:
             if served.policy == "none":
                 share = 0.0  # exact KV, used as loaded
@@ -125,6 +128,7 @@ class Provenance:
             "load_failed": state.load_failed,
             "preemptions": int(getattr(request, "num_preemptions", 0) or 0),
             "escalations": int(escalations),
+            "declined": declined,
         }
 
     def _reference(self, key: DonorKey) -> str:

@@ -73,12 +73,16 @@ class Loads:
         agreed = tensor_parallel.all_agree(here)
         if agreed and selection is not None:
             figures = self._repair_here(spec, selection)
-            here = figures is not None
+            # declined: every rank decides alike (the same summed scores), none is a peer's
+            # failure
+            here = figures is not None and not figures.declined
             agreed = tensor_parallel.all_agree(here)
         if not agreed:
             if here:  # only another rank failed: this one's KV is fine, but theirs is not
                 self.stats.add("tp_peer_failures")
             self.invalidate(spec)
+            if figures is not None and figures.declined and self.kv.repairer.reports_deviation:
+                self.report.repaired(spec, figures)  # why (the gate), and the donor's record
         elif figures is not None and self.kv.repairer.reports_deviation:
             # only now: a repair another rank failed is recomputed by vLLM, and its figures
             # must not describe the request

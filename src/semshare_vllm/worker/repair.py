@@ -68,8 +68,9 @@ def repair(
     repairer: Repairer, spec: LoadSpec, selection: Selection, stats: StatsRecorder
 ) -> RepairReport | None:
     """Recompute what ``selection`` picks of the loaded range, in place in its blocks: what it
-    did, or None where it failed (the loaded range must then be reported failed). The caller
-    reports the figures once every rank's repair succeeded (``WorkerReport.repaired``)."""
+    did, or None where it failed (the loaded range must then be reported failed, as where the
+    selection declined: ``RepairReport.declined``). The caller reports the figures once every
+    rank's repair succeeded or declined (``WorkerReport.repaired``)."""
     t0 = time.perf_counter()
     try:
         result = repairer.runner.recompute(
@@ -87,6 +88,8 @@ def repair(
     if selection.escalations:
         stats.add("recompute_escalated_loads")
         stats.add("recompute_escalations", selection.escalations)
+    if selection.declined:
+        stats.add("recompute_declined")
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
     stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
@@ -101,6 +104,7 @@ def repair(
         selection.residual,
         gate,
         selection.escalations,
+        selection.declined,
     )
 
 

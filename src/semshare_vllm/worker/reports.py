@@ -42,6 +42,8 @@ class WorkerReport:
         """A load whose repair succeeded on every rank: its figures for the request's
         provenance, and a semantic donor's measured deviation for the divergence eviction."""
         self.repairs.append(figures)
+        if figures.declined:
+            return  # a declined load's KV is not served: no deviation of a reuse to report
         if spec.donor_pos is not None and figures.deviation_before is not None:
             self.deviations.append((spec.key, figures.deviation_before))
 

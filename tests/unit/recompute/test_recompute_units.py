@@ -7,6 +7,7 @@ from semshare_vllm.config import SemShareConfig
 from semshare_vllm.recompute.policy import (
     Adaptive,
     CacheBlend,
+    Decline,
     Escalate,
     Fixed,
     LayerProbe,
@@ -152,6 +153,14 @@ def test_adaptive_gate_escalates_to_more_then_to_every_candidate():
     out = sel.after_layer(gate_probe(sel, np.arange(100)[out.keep], 0.9))
     assert isinstance(out, Escalate) and sel.escalations == 2
     assert np.array_equal(out.keep, np.arange(100)) and sel.residual == 0
+    assert sel.wants_probe(3) == (False, False)
+
+
+def test_adaptive_declines_an_escalation_past_its_decline_share():
+    sel, keep = checked()
+    sel.decline_share = 0.5
+    out = sel.after_layer(gate_probe(sel, keep, 0.4))  # would keep >= 80 of 100
+    assert isinstance(out, Decline) and sel.declined and sel.escalations == 1
     assert sel.wants_probe(3) == (False, False)
 
 

@@ -72,6 +72,7 @@ def test_a_miss_and_an_exact_hit():
             "load_failed": False,
             "preemptions": 0,
             "escalations": 0,
+            "declined": False,
         }
     }
     hit, load = admit(s, "h", DONOR[:150] + [1, 2, 3], computed=64)  # vLLM's own hit: 64

@@ -103,6 +103,7 @@ def test_provenance_reaches_the_request_output_vllm_builds(async_scheduling):
         "load_failed": False,
         "preemptions": 0,
         "escalations": 0,
+        "declined": False,
     }
     assert len(got["donor"]) == 32 and load.key.donor_id not in got["donor"]
     assert through_the_frontend(core, target).kv_transfer_params == {KEY: got}
