@@ -31,10 +31,13 @@ class RecomputeConfig(Section):
     )
     recompute_error_bound: float = knob(
         0.02,
-        "Adaptive: the error a repaired load may keep, at the check layer and again at the gate "
-        "layer: the K/V deviation (relative L2) of the positions not recomputed, weighted half "
-        "by the attention the prompt's last tokens pay them and half uniformly (a weighted "
-        "mean over the loaded tokens: 0 = exact).",
+        "Adaptive: the error a repaired load may keep, as the gate layer measures it: the K/V "
+        "deviation (relative L2) of the tokens not recomputed, weighted half by the attention "
+        "the prompt's last tokens pay them and half uniformly (a weighted mean over the loaded "
+        "tokens: 0 = exact). The check layer aims at an eighth of it (the error left grew "
+        "4-10x between layers 1 and 8 on real pairs); the gate corrects. 0.02: measured on "
+        "real pairs (SmolLM2-135M), the last token's final hidden state then stayed within "
+        "about 3% of cold's.",
         minimum=0.0,
     )
     recompute_min_share: float = knob(

@@ -17,7 +17,8 @@ first and the layer's attention and MLP only for the positions kept.
   last tokens pay them, until the weighted deviation left (``residual``) is under a bound. At a
   later gate layer it measures again, on sentinel positions carried there; where the deviation
   left is still above the bound it escalates in the same recompute (``Escalate``): more
-  positions, then every one. The bound, not a ratio, is the knob.
+  positions, then every one; or, where that would be most of them, it declines the load
+  (``Decline``) and vLLM computes the prompt. The bound, not a ratio, is the knob.
 * ``SemShareKV`` (§4.3.3, appendix A.5): layer 0 in full; there, positions are split into hot
   and cold by attention recovery (the fewest positions holding ``hot_threshold`` of the last
   ``window`` tokens' attention), and ``hot_ratio`` of the hot and ``cold_ratio`` of the cold
