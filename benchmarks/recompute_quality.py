@@ -6,7 +6,8 @@ it costs against vLLM's own prefill.
    with RoPE correction into the target's blocks and repaired by each policy
    (``testbed.blend_eval``). Reported: the share of loaded positions recomputed (mean over
    layers), the last token's final-hidden-state error and max next-token logit error against
-   the target's cold computation, and how often the greedy next token is cold's.
+   the target's cold computation, and how often the greedy next token is cold's. The adaptive
+   policy at three bounds also reports how often its gate escalated.
 2. Speed (``--speed-tokens``, default 2,048): vLLM's cold prefill of a fresh prompt of that
    length (``generate`` with one output token, no donor) against the runner repairing a
    blended copy of it at r = 5 / 15 / 30 / 100% (CacheBlend schedule), interleaved, medians of
@@ -24,13 +25,14 @@ import time
 
 import numpy as np
 
-from semshare_vllm.recompute.policy import CacheBlend, Fixed, SemShareKV
+from semshare_vllm.recompute.policy import Adaptive, CacheBlend, Fixed, SemShareKV
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed import pairs as P
 from semshare_vllm.testbed.blend_eval import BlendBench
 from semshare_vllm.testbed.text import wiki_document
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
+ADAPTIVE_BOUNDS = (0.01, 0.02, 0.04)
 
 
 def engine():
@@ -66,6 +68,8 @@ def policies(bench: BlendBench):
     for r in RATIOS:
         yield f"CacheBlend r={r:.0%}", CacheBlend(every, always, ratio=r)
     yield "SemShareKV (hot 50% / cold 10%, decay 0.9)", SemShareKV(every, always)
+    for bound in ADAPTIVE_BOUNDS:  # the default's gate layer (8); no decline, to see its cost
+        yield f"adaptive bound={bound}", Adaptive(every, always, bound=bound, gate_layer=8)
 
 
 def quality(worker, tok, n_pairs: int) -> None:
@@ -92,7 +96,7 @@ def quality(worker, tok, n_pairs: int) -> None:
         for name, selection in policies(bench):
             o = bench.evaluate(name, selection)
             rows.setdefault(name, []).append(
-                (o.recomputed, o.hidden_error, o.logit_error, o.same_top1, bench.alignment.coverage)
+                (o.recomputed, o.hidden_error, o.logit_error, o.same_top1, selection.escalations)
             )
     print(
         f"## Repair quality, SmolLM2-135M fp32, {len(cases)} real pairs (cross-instruction, "
@@ -100,14 +104,15 @@ def quality(worker, tok, n_pairs: int) -> None:
     )
     print(
         "| policy | recomputed (mean over layers) | final hidden error | max logit error | "
-        "greedy next token = cold |"
+        "greedy next token = cold | escalated |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        share, hid, logit, top1, _ = zip(*r)
+        share, hid, logit, top1, escalations = zip(*r)
         print(
             f"| {name} | {statistics.median(share):.3f} | {statistics.median(hid):.4f} | "
-            f"{statistics.median(logit):.3f} | {sum(top1)}/{len(top1)} |"
+            f"{statistics.median(logit):.3f} | {sum(top1)}/{len(top1)} | "
+            f"{sum(e > 0 for e in escalations)}/{len(escalations)} |"
         )
 
 
