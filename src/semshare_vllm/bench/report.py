@@ -245,7 +245,8 @@ def write_json(
 
 
 def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[Path]:
-    """TTFT cold vs hit against context length, and fidelity against edit ratio (PNG)."""
+    """TTFT cold vs hit against context length (lines) and per workload at each size (bars,
+    with the speed-up), and fidelity against edit ratio (PNG)."""
     try:
         import matplotlib
 
@@ -278,6 +279,8 @@ def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[
     ax.set_xlabel("prompt tokens (requested context)")
     ax.set_ylabel("median TTFT (ms)")
     written.append(_save(plt, fig, ax, "TTFT, cold vs hit", directory / "ttft_vs_context.png"))
+    for tokens in lengths:  # at one size a line is a dot: bars, the speed-up written on them
+        written.append(_bars(plt, summaries[tokens], tokens, directory))
     edits = {
         t: by["edit"]["by_edit_level"]
         for t, by in summaries.items()
@@ -305,6 +308,27 @@ def plots(directory: str | Path, summaries: dict[int, dict[str, dict]]) -> list[
             _save(plt, fig, ax, "fidelity against edit ratio", directory / "fidelity_vs_edit.png")
         )
     return written
+
+
+def _bars(plt, by_workload: dict[str, dict], tokens: int, directory: Path) -> Path:
+    """Cold and hit median TTFT side by side per workload at one context size, each pair
+    under its hit-only speed-up."""
+    names = list(by_workload)
+    cold = [by_workload[n]["cold"].get("median_ttft_ms") or 0.0 for n in names]
+    hit = [by_workload[n]["semshare_hits"].get("median_ttft_ms") or 0.0 for n in names]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names) + 2), 4.5))
+    ax.bar(x - 0.2, cold, 0.4, label="cold")
+    ax.bar(x + 0.2, hit, 0.4, label="hit")
+    for i, name in enumerate(names):
+        speedup = by_workload[name].get("hit_only_speedup")
+        label = "no hit" if speedup is None else f"{speedup:.2f}x"
+        ax.annotate(label, (x[i], max(cold[i], hit[i])), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("median TTFT (ms)")
+    ax.set_ylim(0, 1.15 * max(cold + hit + [1.0]))
+    path = directory / f"ttft_by_workload_{tokens}.png"
+    return _save(plt, fig, ax, f"TTFT at {tokens:,} tokens, cold vs hit", path)
 
 
 def _save(plt, fig, ax, title: str, path: Path) -> Path:

@@ -223,4 +223,8 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     assert all(0.0 <= s["rouge_l_noise_floor"] <= 1.0 for s in by.values())
     assert "| 512 | cross-instruction |" in printed and "| 512 | entity-swap |" in printed
     assert (plots / "ttft_vs_context.png").stat().st_size > 1000
+    assert (plots / "ttft_by_workload_512.png").stat().st_size > 1000
     assert (plots / "fidelity_vs_edit.png").stat().st_size > 1000
+    # the repair each workload's hits got (the default adaptive policy)
+    assert 0 < by["cross-instruction"]["recompute_share_hits"] <= 2.0
+    assert 0 <= by["cross-instruction"]["escalation_rate_hits"] <= 1

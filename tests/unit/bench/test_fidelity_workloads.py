@@ -262,3 +262,12 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     assert summary["recompute_share_hits"] == pytest.approx(0.6)
     assert summary["escalation_rate_hits"] == pytest.approx(0.5)
     assert report.table({512: {"entity-swap": summary}}).splitlines()[2].endswith("| 0.60 | 50% |")
+
+
+def test_plots_at_one_size_draw_bars_per_workload(tmp_path):
+    a, b = _measured("1985", "1985"), _measured("x", "y", workload="rag-qa")
+    b.connector_tokens = 0  # a miss: its bars say "no hit"
+    written = report.plots(tmp_path, {2048: report.summarize([a, b])})
+    names = sorted(p.name for p in written)
+    assert names == ["ttft_by_workload_2048.png", "ttft_vs_context.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
