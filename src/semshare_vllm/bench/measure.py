@@ -235,7 +235,7 @@ def run(
             if donors:
                 before, to_capture = endpoint.counters(), 0
                 for d in donors:
-                    sent, claimed = _served(endpoint, d.prompt, max_tokens=2)
+                    sent, claimed, _ = _served(endpoint, d.prompt, max_tokens=2)
                     # a donor served from another donor is not kept itself: nothing to wait for
                     to_capture += claimed < 0.5 * (sent.prompt_tokens or 1)
                 wait_for_donors(endpoint, before, to_capture, donor_wait_s)

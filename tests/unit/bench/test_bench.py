@@ -228,3 +228,21 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     # the repair each workload's hits got (the default adaptive policy)
     assert 0 < by["cross-instruction"]["recompute_share_hits"] <= 2.0
     assert 0 <= by["cross-instruction"]["escalation_rate_hits"] <= 1
+
+
+def test_a_group_sends_its_donor_then_measures_its_targets(monkeypatch):
+    """``measure.run`` over one group: the donor first (through the connector), then the
+    target cold and served; the donor's capture is waited for."""
+    from semshare_vllm.bench import measure
+    from semshare_vllm.bench.workloads import BenchRequest
+
+    waited = []
+    monkeypatch.setattr(measure, "wait_for_donors", lambda e, b, n, s: waited.append(n))
+    endpoint = RecordingEndpoint()
+    group = [
+        BenchRequest(prompt="D", group="g", role="donor", workload="w"),
+        BenchRequest(prompt="P", group="g", role="target", workload="w"),
+    ]
+    results = measure.run(endpoint, group, 4, noise_floor=False, perplexity=False)
+    assert [c[0] for c in endpoint.calls][:1] == ["D"] and waited == [1]
+    assert len(results) == 1 and results[0].request.prompt == "P"
