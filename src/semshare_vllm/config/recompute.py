@@ -35,9 +35,9 @@ class RecomputeConfig(Section):
         "deviation (relative L2) of the tokens not recomputed, weighted half by the attention "
         "the prompt's last tokens pay them and half uniformly (a weighted mean over the loaded "
         "tokens: 0 = exact). The check layer aims at an eighth of it (the error left grew "
-        "4-10x between layers 1 and 8 on real pairs); the gate corrects. 0.02: measured on "
-        "real pairs (SmolLM2-135M), the last token's final hidden state then stayed within "
-        "about 3% of cold's.",
+        "4-10x between layers 1 and 8 on real pairs); the gate corrects. At 0.02, on 7 real "
+        "pairs (SmolLM2-135M), the last token's final hidden state stayed within 4% of cold's "
+        "(docs/benchmarks.md, fidelity).",
         minimum=0.0,
     )
     recompute_min_share: float = knob(
