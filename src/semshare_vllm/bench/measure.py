@@ -114,21 +114,19 @@ def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completio
 
 
 def _repair_figures(m: "Measured", metrics: dict) -> None:
-    """The served request's repair from the metrics' change over it: the provenance's
-    ``served_recompute_share`` histogram (one observation per request served from a donor) and
-    the gate's escalated loads. Only where exactly one request was observed."""
+    """The served request's repair from the metrics' change over it (the bench sends one
+    request at a time there): whether the gate escalated it (or declined it: a declined load
+    escalated first), and the provenance's ``served_recompute_share`` histogram's one
+    observation (none for a declined load: vLLM computed it)."""
     before, after = metrics["before"], metrics["after"]
-    count = after.get("served_recompute_share_count", 0) - before.get(
-        "served_recompute_share_count", 0
-    )
-    if count != 1:
-        return
-    m.recompute_share = after.get("served_recompute_share_sum", 0) - before.get(
-        "served_recompute_share_sum", 0
-    )
-    m.escalated = after.get("recompute_escalated_loads", 0) > before.get(
-        "recompute_escalated_loads", 0
-    )
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    if delta("recompute_gate_checks") or delta("recompute_escalated_loads"):
+        m.escalated = delta("recompute_escalated_loads") > 0
+    if delta("served_recompute_share_count") == 1:
+        m.recompute_share = delta("served_recompute_share_sum")
 
 
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:

@@ -243,21 +243,25 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     and whether the gate escalated it; per workload, their median and rate over the hits."""
     from semshare_vllm.bench.measure import _repair_figures
 
-    def metrics(share_sum, count, escalated):
+    def metrics(share_sum, count, escalated, gates):
         return {
             "served_recompute_share_sum": share_sum,
             "served_recompute_share_count": count,
             "recompute_escalated_loads": escalated,
+            "recompute_gate_checks": gates,
         }
 
-    a, b, c = (_measured("1985", "1985") for _ in range(3))
-    _repair_figures(a, {"before": metrics(1.0, 4, 2), "after": metrics(1.2, 5, 2)})
-    _repair_figures(b, {"before": metrics(1.2, 5, 2), "after": metrics(2.2, 6, 3)})
-    # two requests observed in between (the scoring one, say): nothing is attributed
-    _repair_figures(c, {"before": metrics(2.2, 6, 3), "after": metrics(3.0, 8, 3)})
+    a, b, c, d = (_measured("1985", "1985") for _ in range(4))
+    _repair_figures(a, {"before": metrics(1.0, 4, 2, 5), "after": metrics(1.2, 5, 2, 6)})
+    _repair_figures(b, {"before": metrics(1.2, 5, 2, 6), "after": metrics(2.2, 6, 3, 7)})
+    # two shares observed in between: no share is attributed (no gate ran: not known either)
+    _repair_figures(c, {"before": metrics(2.2, 6, 3, 7), "after": metrics(3.0, 8, 3, 7)})
+    # declined: escalated, and no share observed (vLLM computed it)
+    _repair_figures(d, {"before": metrics(3.0, 8, 3, 7), "after": metrics(3.0, 8, 4, 8)})
     assert (a.recompute_share, a.escalated) == (pytest.approx(0.2), False)
     assert (b.recompute_share, b.escalated) == (pytest.approx(1.0), True)
     assert (c.recompute_share, c.escalated) == (None, None)
+    assert (d.recompute_share, d.escalated) == (None, True)
     summary = report.summarize([a, b, c])["entity-swap"]
     assert summary["recompute_share_hits"] == pytest.approx(0.6)
     assert summary["escalation_rate_hits"] == pytest.approx(0.5)
