@@ -178,11 +178,9 @@ def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, refer
     assert max(abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])) < 1e-3
 
 
-def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases):
-    """Same document behind a different-length instruction: donor KV moved with RoPE
-    correction, repaired by CacheBlend at ratio r. The last token's final hidden state and
-    logits approach cold as r grows, and equal it at r = 100%."""
-    from semshare_vllm.recompute.policy import CacheBlend, SemShareKV
+def longer_head_blend(worker, cases):
+    """The "kv" case's document behind a longer head: its donor's KV blended into it on the
+    engine's model (``testbed.blend_eval``); the bench and the target."""
     from semshare_vllm.testbed.blend_eval import BlendBench
 
     donor, target = cases["kv"]
@@ -195,6 +193,16 @@ def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases)
         donor,
         target,
     )
+    return bench, target
+
+
+def test_blend_deviation_falls_to_zero_as_more_is_recomputed(llm, worker, cases):
+    """Same document behind a different-length instruction: donor KV moved with RoPE
+    correction, repaired by CacheBlend at ratio r. The last token's final hidden state and
+    logits approach cold as r grows, and equal it at r = 100%."""
+    from semshare_vllm.recompute.policy import CacheBlend, SemShareKV
+
+    bench, target = longer_head_blend(worker, cases)
     assert bench.alignment.coverage > 0.8
     n = len(target)
     every = np.arange(n)
@@ -233,18 +241,8 @@ def test_an_escalated_recompute_ends_as_the_wider_recompute(llm, worker, cases):
     there. With a bound of 0 the gate escalates to every position: the blend then ends exactly
     as cold (final hidden state, logits), as recomputing every position from the start does."""
     from semshare_vllm.recompute.policy import Adaptive, Fixed
-    from semshare_vllm.testbed.blend_eval import BlendBench
 
-    donor, target = cases["kv"]
-    target = target[:40] + target  # another, longer head
-    bench = BlendBench(
-        worker.kv.repairer.runner.model,
-        worker.kv.layout,
-        worker.kv.caches[0],
-        list(worker.geometry.layer_names),
-        donor,
-        target,
-    )
+    bench, target = longer_head_blend(worker, cases)
     n, layers = len(target), len(bench.runner.layers)
     every = np.arange(n)
     always = np.union1d(bench.always(), [n - 1])

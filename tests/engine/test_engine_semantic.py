@@ -141,6 +141,11 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
     request answers exactly as cold (tokens and logprobs), and its provenance says why."""
     from dataclasses import replace
 
+    from semshare_vllm.scheduler import donor_catalog
+
+    # the module's other tests are served by the same donor: its escalations here must not
+    # demote it (demotion has its own test)
+    monkeypatch.setattr(donor_catalog, "ESCALATIONS_TO_DEMOTE", 10**9)
     run(llm, prompts["a"])  # (already a donor after the first test; harmless)
     donor_ready(llm, sched, worker, prompts["c"])
     strict = replace(

@@ -248,20 +248,24 @@ def _rank() -> int:
     return tensor_parallel.tp_rank()
 
 
+_STRICT_GATE = dict(
+    recompute_check_layer=0,
+    recompute_gate_layer=1,
+    recompute_error_bound=1e-6,
+    recompute_max_share=0.3,
+    recompute_attention_window=8,
+    recompute_decline_share=1.0,
+)
+
 SCENARIOS = {
     "collectives": collectives,
     "cacheblend": lambda rank: _load_once(rank, "cacheblend"),
     "semsharekv": lambda rank: _load_once(rank, "semsharekv", semsharekv_window=8),
     # check layer 0 (capped at 30%), gate at 1, a bound the gate cannot meet: both ranks
-    # escalate alike
-    "adaptive": lambda rank: _load_once(
-        rank,
-        "adaptive",
-        recompute_check_layer=0,
-        recompute_gate_layer=1,
-        recompute_error_bound=1e-6,
-        recompute_max_share=0.3,
-        recompute_attention_window=8,
+    # escalate alike (to every position), or both decline
+    "adaptive": lambda rank: _load_once(rank, "adaptive", **_STRICT_GATE),
+    "adaptive_declined": lambda rank: _load_once(
+        rank, "adaptive", **{**_STRICT_GATE, "recompute_decline_share": 0.5}
     ),
     "exact_load_lost_on_rank0": lambda rank: _load_once(rank, "none", _drop_donor_on_rank0),
     "repaired_load_lost_on_rank0": lambda rank: _load_once(

@@ -45,6 +45,16 @@ def test_both_ranks_recompute_the_same_positions(pair, policy):
         assert 0 < len(a["positions"]) < a["per_layer"][0]  # the policy did choose
 
 
+def test_both_ranks_decline_alike(pair):
+    """The adaptive gate declines the load on both ranks (the same summed scores): both report
+    its blocks, neither counts it as the other's failure."""
+    r0, r1 = pair.run("adaptive_declined")
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["invalid"] == r1["invalid"] == TARGET_BLOCKS
+    for r in (r0, r1):
+        assert r["stats"]["recompute_declined"] == 1 and "tp_peer_failures" not in r["stats"]
+
+
 @pytest.mark.parametrize("scenario", ["exact_load_lost_on_rank0", "repaired_load_lost_on_rank0"])
 def test_a_load_that_failed_on_one_rank_fails_on_both(pair, scenario):
     r0, r1 = pair.run(scenario)
