@@ -67,6 +67,7 @@ class Selection:
 
     escalations = 0  # how many times the selection asked for more in the same recompute
     declined = False  # it answered ``Decline``
+    gate_residual: float | None = None  # the error left a gate measured last (None: no gate)
 
     window = 0  # last tokens whose attention the probe sums (0: no attention probe)
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
@@ -248,11 +249,11 @@ class Adaptive(Selection):
         # no gate where it would not come after the check layer
         self.gate_layer = gate_layer if gate_layer > check_layer else None
         self.sentinel_share = sentinels
-        self.gate_residual: float | None = None  # the last gate's estimate
         self._rng = np.random.default_rng(len(self.candidates))
         self._passes = 0  # how many times the runner went through the check layer
-        # per candidate index: check-layer weight and deviation; the order to recompute in
-        self._weight = self._check_dev = self._order = None
+        # per candidate index: its check-layer score (weighted deviation); the order to
+        # recompute in
+        self._score = self._order = None
         self._forced = np.zeros(0, dtype=np.int64)  # candidate indices of ``always``
         self._kept = np.zeros(0, dtype=np.int64)  # candidate indices recomputed to the end
         self._sentinels = np.zeros(0, dtype=np.int64)  # candidate indices carried to the gate
@@ -290,16 +291,14 @@ class Adaptive(Selection):
     # ---- the check layer ---------------------------------------------------------------------
     def _check(self, probe: LayerProbe) -> np.ndarray:
         # probe.positions are the candidates (every one runs through the check layer)
-        self._check_dev = np.sqrt(np.clip(probe.deviation, 0, None))
-        self._weight = self._weights(probe.attention)
-        score = self._weight * self._check_dev
+        deviation = np.sqrt(np.clip(probe.deviation, 0, None))
+        score = self._score = self._weights(probe.attention) * deviation
         forced = np.isin(self.candidates, self.always)
         order = np.argsort(-np.where(forced, -1.0, score), kind="stable")
         self._order = order[~forced[order]]
         self._forced = np.flatnonzero(forced)
         self.measured = float(score.sum())
-        left = score[self._order].sum() - np.cumsum(np.concatenate([[0.0], score[self._order]]))
-        count = _first_at_most(left, self.bound / self.CHECK_TO_GATE)
+        count = _first_at_most(_left_after(score[self._order]), self.bound / self.CHECK_TO_GATE)
         n = len(self.candidates)
         count = max(count, int(np.ceil(self.min_share * n)), self.min_tokens)
         count = min(count, int(np.floor(self.max_share * n)), len(self._order))
@@ -311,7 +310,7 @@ class Adaptive(Selection):
         self._kept = np.union1d(self._forced, self._order[:count])
         left = np.ones(len(self.candidates), dtype=bool)
         left[self._kept] = False
-        self.residual = float((self._weight * self._check_dev)[left].sum())
+        self.residual = float(self._score[left].sum())
         self._sentinels = np.zeros(0, dtype=np.int64)
         if self.gate_layer is not None:
             # never one an earlier pass recomputed past the check: its KV there is fresh
@@ -339,10 +338,7 @@ class Adaptive(Selection):
         if self.escalations == 1 and mean_dev > 0:
             # keep, in the check layer's order, until the weight left times that mean
             # deviation is under the bound
-            w_left = weight[self._order].sum() - np.cumsum(
-                np.concatenate([[0.0], weight[self._order]])
-            )
-            count = _first_at_most(w_left, self.bound / mean_dev)
+            count = _first_at_most(_left_after(weight[self._order]), self.bound / mean_dev)
             if count > len(self._kept) - len(self._forced):
                 if self._too_many(count):
                     return self._decline()
@@ -359,6 +355,11 @@ class Adaptive(Selection):
         self.declined = True
         self._sentinels = np.zeros(0, dtype=np.int64)
         return Decline()
+
+
+def _left_after(values: np.ndarray) -> np.ndarray:
+    """``[k]``: the sum of ``values`` past the first ``k`` (k = 0 .. len)."""
+    return values.sum() - np.cumsum(np.concatenate([[0.0], values]))
 
 
 def _first_at_most(left: np.ndarray, bound: float) -> int:

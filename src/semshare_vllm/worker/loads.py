@@ -81,12 +81,12 @@ class Loads:
             if here:  # only another rank failed: this one's KV is fine, but theirs is not
                 self.stats.add("tp_peer_failures")
             self.invalidate(spec)
-            if figures is not None and figures.declined and self.kv.repairer.reports_deviation:
-                self.report.repaired(spec, figures)  # why (the gate), and the donor's record
-        elif figures is not None and self.kv.repairer.reports_deviation:
-            # only now: a repair another rank failed is recomputed by vLLM, and its figures
-            # must not describe the request
-            self.report.repaired(spec, figures)
+        # only once every rank repaired (a repair another rank failed is recomputed by vLLM,
+        # and its figures must not describe the request), or where the gate declined (they say
+        # why, and count towards the donor's demotion)
+        if figures is not None and (agreed or figures.declined):
+            if self.kv.repairer.reports_deviation:
+                self.report.repaired(spec, figures)
 
     @guarded("planning a repair", None)
     def _plan_repair(self, spec: LoadSpec) -> Selection | None:

@@ -82,7 +82,7 @@ def repair(
     if spec.donor_pos is not None and selection.measured is not None:
         stats.add("deviation_sum", selection.measured)
         stats.add("deviation_count")
-    gate = getattr(selection, "gate_residual", None)
+    gate = selection.gate_residual
     if gate is not None:
         stats.add("recompute_gate_checks")
     if selection.escalations:
