@@ -32,18 +32,40 @@ def prompts(tok):
         "c": ids(wiki_document(900, 1500) + "\n\nSummary:"),
         "gone_a": ids(HEAD_A + gone + "\n\nQuestion: What is this article about? Answer:"),
         "gone_b": ids(HEAD_B + gone + "\n\nQuestion: Who or what is the subject? Answer:"),
+        # semshare-bench's first 2K cross-instruction pair: a plain-text donor, a chat-template
+        # target of the same document (test_a_chat_template_target_..._answers_as_cold)
+        **dict(zip(("x_donor", "x_target"), (ids(r.prompt) for r in bench_pair(tok)))),
     }
+
+
+def bench_pair(tok):
+    from semshare_vllm.bench import workloads
+
+    return workloads.build("cross-instruction", 1, 2048, workloads.Sizer(tok), 0)
 
 
 @pytest.fixture(scope="module")
 def references(model, prompts):
-    outs = offline.reference_outputs(model, [prompts["b"], prompts["gone_b"]], MAX_TOKENS)
-    return {"b": outs[0], "gone_b": outs[1]}
+    names = ("b", "gone_b", "x_target")
+    outs = offline.reference_outputs(model, [prompts[n] for n in names], MAX_TOKENS)
+    return dict(zip(names, outs))
 
 
 @pytest.fixture(scope="module")
 def reference(references):
     return references["b"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _donors_stay_offered():
+    """The module's tests are served by the same donor, and its loads may escalate (the gate
+    test makes them): a donor is demoted after two, which would end the tests after it.
+    Demotion has its own test (test_engine_provenance)."""
+    from semshare_vllm.scheduler import donor_catalog
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(donor_catalog, "ESCALATIONS_TO_DEMOTE", 10**9)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +163,6 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
     request answers exactly as cold (tokens and logprobs), and its provenance says why."""
     from dataclasses import replace
 
-    from semshare_vllm.scheduler import donor_catalog
-
-    # the module's other tests are served by the same donor: its escalations here must not
-    # demote it (demotion has its own test)
-    monkeypatch.setattr(donor_catalog, "ESCALATIONS_TO_DEMOTE", 10**9)
     run(llm, prompts["a"])  # (already a donor after the first test; harmless)
     donor_ready(llm, sched, worker, prompts["c"])
     strict = replace(
@@ -169,6 +186,27 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
         assert after["recompute_declined"] - before.get("recompute_declined", 0) == 1
     assert out["token_ids"] == reference["token_ids"]
     assert max(abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])) < 1e-3
+
+
+def test_a_chat_template_target_of_another_instructions_donor_answers_as_cold(
+    llm, sched, worker, prompts, references
+):
+    """Regression: the target's chat-template instruction differs from the donor's, and the
+    sentence and LSH stages align some of its tokens to the same tokens of the donor's
+    instruction, outside any run (a lone newline taking the donor's newline after other
+    words). Their donor KV was loaded unrecomputed: the gate passed the hit (8.5% recomputed)
+    and its first greedy token was not cold's. Every aligned stretch's head is redone now."""
+    run(llm, prompts["x_donor"])
+    donor_ready(llm, sched, worker, prompts["c"])
+    before = totals(sched, worker)
+    out = run(llm, prompts["x_target"])
+    after = totals(sched, worker)
+    assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
+    prov = out["kv_transfer_params"]["semshare_provenance"]
+    assert prov["served"] == "semantic" and not prov["load_failed"]
+    assert prov["semantic_tokens"] >= 0.9 * len(prompts["x_target"])
+    assert prov["recompute_share"] < 0.3  # a cheap hit, not an escalation to everything
+    assert out["token_ids"] == references["x_target"]["token_ids"]
 
 
 def test_a_donor_gone_before_its_load_is_computed_by_vllm_and_forgotten(

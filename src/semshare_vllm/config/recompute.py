@@ -56,10 +56,10 @@ class RecomputeConfig(Section):
     )
     recompute_decline_share: float = knob(
         0.5,
-        "Adaptive: where the gate would escalate to more than this share of the loaded tokens, "
-        "the load is declined instead and vLLM computes the prompt (counted as "
-        "recompute_declined; the request is served as cold). Past about half the tokens, the "
-        "recompute redoing them after its first pass costs more than vLLM's own prefill. 1.0: "
+        "Adaptive: where the check layer's choice, or the gate's escalation, would recompute "
+        "more than this share of the loaded tokens, the load is declined instead and vLLM "
+        "computes the prompt (counted as recompute_declined; the request is served as cold). "
+        "Past about half the tokens, the recompute costs more than vLLM's own prefill. 1.0: "
         "escalate up to every token in the recompute.",
         minimum=0.0,
         maximum=1.0,
@@ -109,8 +109,9 @@ class RecomputeConfig(Section):
     )
     recompute_run_head: int = knob(
         4,
-        "Always recomputed: this many first tokens of every aligned run (they attended to "
-        "other tokens in the donor; measured: 3x the K/V error of the rest of a run).",
+        "Always recomputed: this many first tokens of every stretch aligned to consecutive "
+        "donor positions, a lone aligned token included (they attended to other tokens in "
+        "the donor; measured: 3x the K/V error of the rest of a run).",
         minimum=0,
     )
     recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)

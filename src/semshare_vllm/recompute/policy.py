@@ -221,9 +221,10 @@ class Adaptive(Selection):
       to as many positions (in the check layer's order) as leave little enough weight for
       that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
       to every candidate. Without a gate layer, the check layer's choice stands.
-    * Decline: an escalation that would recompute more than ``decline_share`` of the candidates
-      is not run; the load is declined (``Decline``) and vLLM computes the prompt, which is
-      cheaper than the runner redoing most tokens after its first pass.
+    * Decline: a choice that would recompute more than ``decline_share`` of the candidates is
+      not run, whether the check layer's first or an escalation's; the load is declined
+      (``Decline``) and vLLM computes the prompt, which is cheaper than the runner redoing most
+      tokens. Declined at the check layer, only layers 0 and 1 were spent.
     """
 
     CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
@@ -289,7 +290,7 @@ class Adaptive(Selection):
         return uniform if total <= 0 else 0.5 * uniform + 0.5 * a / total
 
     # ---- the check layer ---------------------------------------------------------------------
-    def _check(self, probe: LayerProbe) -> np.ndarray:
+    def _check(self, probe: LayerProbe) -> np.ndarray | Decline:
         # probe.positions are the candidates (every one runs through the check layer)
         deviation = np.sqrt(np.clip(probe.deviation, 0, None))
         score = self._score = self._weights(probe.attention) * deviation
@@ -302,6 +303,8 @@ class Adaptive(Selection):
         n = len(self.candidates)
         count = max(count, int(np.ceil(self.min_share * n)), self.min_tokens)
         count = min(count, int(np.floor(self.max_share * n)), len(self._order))
+        if self._too_many(count):  # the first choice already costs more than cold: stop here
+            return self._decline()
         return self._keep(count)
 
     def _keep(self, count: int) -> np.ndarray:
@@ -384,24 +387,29 @@ def always_recompute(
     loaded: np.ndarray,
     donor_pos: np.ndarray | None = None,
     same_token: np.ndarray | None = None,
-    run_starts: np.ndarray | None = None,
     run_head: int = 4,
     tail: int = 8,
 ) -> np.ndarray:
     """Positions of ``loaded`` whose donor KV cannot be right: no donor token, a different
     donor token (measured as no better than a random token's KV), the first ``run_head`` tokens
-    of every aligned run (they attended to other tokens in the donor), and the last ``tail``
-    loaded positions."""
+    of every stretch aligned to consecutive donor positions (they attended to other tokens in
+    the donor), and the last ``tail`` loaded positions. A stretch is read from ``donor_pos``
+    itself, not from the exact stage's runs: the edit, sentence and LSH stages align same
+    tokens outside any run, down to a lone newline of another instruction."""
     loaded = np.asarray(loaded, dtype=np.int64)
     out = [loaded[-tail:]] if tail > 0 and len(loaded) else []
     if donor_pos is not None:
+        donor_pos = np.asarray(donor_pos, dtype=np.int64)
         bad = donor_pos[loaded] < 0
         if same_token is not None:
             bad |= ~same_token[loaded]
         out.append(loaded[bad])
-    if run_starts is not None and run_head > 0:
-        heads = (np.asarray(run_starts, dtype=np.int64)[:, None] + np.arange(run_head)).ravel()
-        out.append(np.intersect1d(heads, loaded))
+        if run_head > 0:
+            follows = np.zeros(len(donor_pos), dtype=bool)  # continues the stretch before it
+            follows[1:] = (donor_pos[1:] == donor_pos[:-1] + 1) & (donor_pos[:-1] >= 0)
+            starts = np.flatnonzero((donor_pos >= 0) & ~follows)
+            heads = (starts[:, None] + np.arange(run_head)).ravel()
+            out.append(np.intersect1d(heads, loaded))
     return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
 
 

@@ -164,8 +164,7 @@ def plan_claim(
     loaded = np.arange(start, end)
     donor_pos = al.donor_pos[start:end]
     same = al.kind == MatchKind.EXACT
-    run_starts = np.array([r.target_start for r in al.runs], dtype=np.int64)
-    always = always_recompute(loaded, al.donor_pos, same, run_starts, run_head, tail)
+    always = always_recompute(loaded, al.donor_pos, same, run_head, tail)
     aligned = donor_pos >= 0
     exact = int((aligned & same[start:end]).sum())
     return SemanticPlan(

@@ -164,6 +164,18 @@ def test_adaptive_declines_an_escalation_past_its_decline_share():
     assert sel.wants_probe(3) == (False, False)
 
 
+def test_adaptive_declines_at_the_check_layer_when_its_first_choice_is_past_the_decline_share():
+    # bound 0 at the check: every candidate would be kept -> declined there, before any pass on
+    sel = adaptive(bound=0.0, decline_share=0.5)
+    out = sel.after_layer(check_probe(sel))
+    assert isinstance(out, Decline) and sel.declined and sel.escalations == 0
+    assert sel.measured is not None and sel.gate_residual is None
+    assert sel.wants_probe(3) == (False, False)  # no sentinels: no gate
+    # the same choice under a share it fits is run
+    fits = adaptive(bound=0.0, decline_share=1.0)
+    assert not isinstance(fits.after_layer(check_probe(fits)), Decline) and not fits.declined
+
+
 def test_adaptive_share_floor_and_ceiling_and_no_gate():
     loose = adaptive(bound=10.0, min_share=0.3, gate_layer=0)
     loose.after_layer(check_probe(loose))
@@ -174,14 +186,15 @@ def test_adaptive_share_floor_and_ceiling_and_no_gate():
     assert len(tight._kept) == 20 + 1  # ceiling, plus always
 
 
-def test_always_recompute_covers_unaligned_other_tokens_run_heads_and_the_tail():
+def test_always_recompute_covers_unaligned_other_tokens_stretch_heads_and_the_tail():
+    # stretches of consecutive donor positions start at 1 (5..10), 7 (2..4) and 10 (11, 12)
     donor_pos = np.array([-1, 5, 6, 7, 8, 9, 10, 2, 3, 4, 11, 12])
     same = np.ones(12, dtype=bool)
     same[10] = False
-    got = always_recompute(
-        np.arange(12), donor_pos, same, run_starts=np.array([1, 7]), run_head=2, tail=1
-    )
+    got = always_recompute(np.arange(12), donor_pos, same, run_head=2, tail=1)
     assert np.array_equal(got, [0, 1, 2, 7, 8, 10, 11])
+    # the loaded range may start inside a stretch: its first position is no head then
+    assert np.array_equal(always_recompute(np.arange(3, 6), donor_pos, same, 2, 0), [])
 
 
 def test_make_selection_follows_the_config():

@@ -3,6 +3,7 @@ control."""
 
 import types
 
+import numpy as np
 from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment import AlignParams, align
@@ -36,6 +37,30 @@ def test_plan_claims_the_span_and_always_redoes_what_cannot_be_right():
     assert set(range(len(target) - 4, len(target) - 1)) <= always  # the tail
     short = plan.truncated(100)
     assert short.end == 100 and len(short.donor_pos) == 100 and max(short.always) == 99
+
+
+def test_every_stretch_of_aligned_positions_has_its_head_redone_not_only_the_exact_runs():
+    """The LSH and sentence stages align same tokens outside any run (a lone newline of another
+    instruction taking the donor's newline after other words): such a token attended to other
+    tokens in the donor, like a run's first tokens, so its donor KV is redone in every layer.
+    Measured on the bench's 2K cross-instruction pair: served without this, the greedy output
+    parted from cold's at its first token (8.5% recomputed, the gate passed it)."""
+    from semshare_vllm.alignment.result import Alignment, MatchKind, Run
+
+    n = 60
+    donor_pos = np.full(n, -1, dtype=np.int64)
+    kind = np.zeros(n, dtype=np.int8)
+    donor_pos[5:45] = np.arange(105, 145)  # the document: one exact run
+    kind[5:45] = MatchKind.EXACT
+    donor_pos[50] = 7  # a lone same-token match (LSH): the donor's token 7
+    donor_pos[52:55] = [300, 301, 302]  # a same-token stretch a sentence stage aligned
+    kind[[50, 52, 53, 54]] = MatchKind.EXACT
+    al = Alignment(donor_pos, kind, (Run(5, 105, 40),))
+    plan = plan_claim("k", al, 0, n - 1, run_head=2, tail=1)
+    always = set(plan.always)
+    assert {5, 6} <= always and 7 not in always  # the run's head only
+    assert 50 in always  # the lone match
+    assert {52, 53} <= always and 54 not in always  # the stretch's head
 
 
 def test_reuse_mode_reads_kv_transfer_params():
