@@ -70,6 +70,11 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         # the gate measured what was left: under the bound, or it escalated
         assert hit["gate_residual"] is not None
         assert hit["escalations"] > 0 or hit["gate_residual"] <= 0.02
+        # where its time went: held back for its search and alignment (this server's lookup
+        # deadline is long: it waits for both), the worker's load and recompute
+        t = hit["timings_ms"]
+        assert t["search"] >= 0 and t["align"] > 0 and t["load"] > 0 and t["recompute"] > 0
+        assert exact["timings_ms"]["load"] is None and exact["timings_ms"]["align"] == 0
 
         # nothing like it: a miss
         miss = provenance(srv.completion_body(wiki_document(1600, 2000), max_tokens=1))
@@ -95,3 +100,5 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
 
     assert count("served_recompute_share") == 2  # the exact hit and the semantic one
     assert count("served_deviation_before") == count("served_deviation_after") == 1
+    assert count("served_load_ms") == count("served_recompute_ms") == 1
+    assert count("served_search_ms") == count("served_align_ms") == 2  # both hits

@@ -10,13 +10,17 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from semshare_vllm.bench.client import Completion, Endpoint
 from semshare_vllm.bench.workloads import BenchRequest
 
 OPT_OUT = {"semshare": "off"}
+# The parts of a hit's time the connector reports (its provenance's ``timings_ms``, observed in
+# the ``served_<part>_ms`` histograms; they do not overlap): held back waiting for the donor
+# search, and for the alignment; moving the donor KV; recomputing.
+TIMINGS = ("search", "align", "load", "recompute")
 
 
 @dataclass
@@ -36,6 +40,9 @@ class Measured:
     # figures did not arrive): its recompute share, and whether the gate escalated it
     recompute_share: float | None = None
     escalated: bool | None = None
+    # where the served request's time went, as its provenance reports it (ms, by part of
+    # ``TIMINGS``; a part missing: it did not run, or its figure did not arrive)
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -117,7 +124,8 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     """The served request's repair from the metrics' change over it (the bench sends one
     request at a time there): whether the gate escalated it (or declined it: a declined load
     escalated first), and the provenance's ``served_recompute_share`` histogram's one
-    observation (none for a declined load: vLLM computed it)."""
+    observation (none for a declined load: vLLM computed it), and its time breakdown's (one
+    observation of each ``served_<part>_ms``)."""
     before, after = metrics["before"], metrics["after"]
 
     def delta(name: str) -> float:
@@ -127,6 +135,9 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
         m.escalated = delta("recompute_escalated_loads") > 0
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
+    for part in TIMINGS:
+        if delta(f"served_{part}_ms_count") == 1:
+            m.timings[part] = delta(f"served_{part}_ms_sum")
 
 
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:

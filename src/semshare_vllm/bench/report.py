@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from semshare_vllm.bench.measure import Measured
+from semshare_vllm.bench.measure import TIMINGS, Measured
 from semshare_vllm.testbed.scoring import rouge_l
 
 
@@ -81,6 +81,7 @@ def summarize(results: list[Measured]) -> dict:
             "escalation_rate_hits": _mean([m.escalated for m in hits if m.escalated is not None])
             if any(m.escalated is not None for m in hits)
             else None,
+            "breakdown_hits_ms": _breakdown(hits),
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
             ),
@@ -109,6 +110,19 @@ def summarize(results: list[Measured]) -> dict:
                 for lvl in levels
             }
         out[name] = summary
+    return out
+
+
+def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
+    """Medians over the hits of each part of their time the connector reports, and of what
+    is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and forward, the first
+    sample, the HTTP round trip), over the hits that reported every part it subtracts."""
+    out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
+    out["vllm"] = _median(
+        m.served.ttft_s * 1e3 - sum(m.timings.values())
+        for m in hits
+        if all(part in m.timings for part in TIMINGS)
+    )
     return out
 
 
@@ -176,6 +190,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "perplexity_ratio": m.perplexity_ratio,
             "recompute_share": m.recompute_share,
             "escalated": m.escalated,
+            "timings_ms": m.timings or None,
         }
         for m in results
     ]
@@ -213,6 +228,25 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
                 f"{_fmt(s.get('recompute_share_hits'), '.2f')} | "
                 f"{_fmt(s.get('escalation_rate_hits'), '.0%')} |"
             )
+    return "\n".join(lines)
+
+
+def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
+    """Where the hits' time went: one row per context length and workload with hits (medians
+    over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports)."""
+    lines = [
+        "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
+        "recompute | vLLM & rest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for tokens, by_workload in summaries.items():
+        for name, s in by_workload.items():
+            b = s.get("breakdown_hits_ms") or {}
+            if not s["hits"] or not any(v is not None for v in b.values()):
+                continue
+            cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in (*TIMINGS, "vllm"))
+            hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
+            lines.append(f"| {tokens:,} | {name} | {hit} | {cells} |")
     return "\n".join(lines)
 
 

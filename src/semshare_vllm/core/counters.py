@@ -92,6 +92,8 @@ COUNTERS: dict[str, str] = {
 }
 
 
+_MS_BUCKETS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
+
 # Every histogram: what one observation is, and its buckets' upper bounds. One observation per
 # request served from a donor, with the figures its provenance reports (``scheduler/provenance``).
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
@@ -109,6 +111,25 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "per repaired semantic hit: the same deviation once the recomputed positions hold their "
         "own KV (what the repair left)",
         (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5),
+    ),
+    # the hit's time breakdown (its provenance's ``timings_ms``)
+    "served_search_ms": (
+        "per request served from a donor: milliseconds it was held back (not scheduled) "
+        "waiting for its donor search",
+        _MS_BUCKETS,
+    ),
+    "served_align_ms": (
+        "per request served from a donor: milliseconds it was held back waiting for its alignment",
+        _MS_BUCKETS,
+    ),
+    "served_load_ms": (
+        "per repaired semantic hit: milliseconds the worker took to move the donor KV into "
+        "its blocks (RoPE-corrected)",
+        _MS_BUCKETS,
+    ),
+    "served_recompute_ms": (
+        "per repaired semantic hit: milliseconds of its selective recompute",
+        _MS_BUCKETS,
     ),
 }
 

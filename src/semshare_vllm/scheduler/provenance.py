@@ -129,6 +129,7 @@ class Provenance:
             "preemptions": int(getattr(request, "num_preemptions", 0) or 0),
             "escalations": int(escalations),
             "declined": declined,
+            "timings_ms": _timings(state),
         }
 
     def _reference(self, key: DonorKey) -> str:
@@ -143,6 +144,29 @@ class Provenance:
         for name in ("deviation_before", "deviation_after"):
             if figures[name] is not None:
                 self.stats.observe(f"served_{name}", figures[name])
+        for name, ms in figures["timings_ms"].items():
+            if ms is not None:
+                self.stats.observe(f"served_{name}_ms", ms)
+
+
+def _timings(state: RequestState) -> dict:
+    """Where the request's time went, in ms, in parts that do not overlap: held back (not
+    scheduled) waiting for its donor search (``search``) and for its alignment (``align``),
+    and on the worker (the rank that reports) moving the donor KV (``load``) and recomputing
+    (``recompute``; both None where no repaired load reported them). What its TTFT holds
+    besides is vLLM's own: scheduling, the forward of the tokens it computes, the first
+    sample."""
+    repair = state.served.repair
+    return {
+        "search": round(state.search_wait_ms, 1),
+        "align": round(state.align_wait_ms, 1),
+        "load": _rounded_ms(None if repair is None else repair.load_ms),
+        "recompute": _rounded_ms(None if repair is None else repair.recompute_ms),
+    }
+
+
+def _rounded_ms(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 1)
 
 
 def _rounded(value: float | None) -> float | None:

@@ -30,6 +30,11 @@ class DiscoveryJob:
     def cancel(self) -> None:
         self.future.cancel()
 
+    def held_ms(self) -> float:
+        """How long the request waited for this job, now that it goes on: from vLLM's first
+        wish to schedule it until now (0 where it never had to wait)."""
+        return 0.0 if self.held is None else (time.monotonic() - self.asked) * 1e3
+
 
 @dataclass
 class SemanticMatch:
@@ -74,6 +79,10 @@ class RequestState:
     marks_logprobs: bool = False
     local_hit: int | None = None  # vLLM's own prefix-cache hit it last asked us from
     served: Served = field(default_factory=Served)
+    # Its time held back (not scheduled) by us, ms: waiting for its donor search, and for its
+    # alignment (the scheduler's part of its time breakdown: ``provenance.py``)
+    search_wait_ms: float = 0.0
+    align_wait_ms: float = 0.0
 
     def drop_job(self) -> None:
         if self.job is not None:

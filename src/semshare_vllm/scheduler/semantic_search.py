@@ -98,6 +98,7 @@ class SemanticSearch:
         # time in vLLM's queue before or after is not ours.
         if job.held is not None:
             self.stats.add("lookup_wait_ms", (job.held - job.asked) * 1e3)
+        state.search_wait_ms += job.held_ms()
         return False
 
     def _take_lookup(self, request, state: RequestState, job: DiscoveryJob) -> None:
@@ -185,6 +186,7 @@ class SemanticSearch:
         if waiting:
             return WAIT
         state.job, state.found = None, None
+        state.align_wait_ms += job.held_ms()
         if waiting is None:
             self.stats.add("align_timeouts")
             return None

@@ -66,13 +66,16 @@ class Loads:
     def load(self, spec: LoadSpec) -> None:
         """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
         either failed, here or on another tensor-parallel rank."""
-        here, selection, figures = self._load_here(spec), None, None
+        load_ms = self._load_here(spec)
+        here, selection, figures = load_ms is not None, None, None
         if here and spec.policy != "none":
             selection = self._plan_repair(spec)
             here = selection is not None
         agreed = tensor_parallel.all_agree(here)
         if agreed and selection is not None:
             figures = self._repair_here(spec, selection)
+            if figures is not None:
+                figures.load_ms = load_ms
             # declined: every rank decides alike (the same summed scores), none is a peer's
             # failure
             here = figures is not None and not figures.declined
@@ -96,10 +99,10 @@ class Loads:
     def _repair_here(self, spec: LoadSpec, selection: Selection) -> RepairReport | None:
         return repair(self.kv.repairer, spec, selection, self.stats)
 
-    @guarded("loading a donor", False)
-    def _load_here(self, spec: LoadSpec) -> bool:
-        """This rank's copy; False where it failed (the fault logged and counted). Never
-        raises: every rank must go on to the agreement."""
+    @guarded("loading a donor", None)
+    def _load_here(self, spec: LoadSpec) -> float | None:
+        """This rank's copy, and how long it took (ms); None where it failed (the fault logged
+        and counted). Never raises: every rank must go on to the agreement."""
         if spec.mark_logprobs_until and not mark_served_rows(
             model_hook.loaded_runner(self._vllm_config), spec.req_id, spec.mark_logprobs_until
         ):
@@ -111,7 +114,7 @@ class Loads:
                 spec.req_id,
             )
             self.stats.add("load_failures")
-            return False
+            return None
         t0 = time.perf_counter()
         try:
             if self.kv is None:
@@ -137,12 +140,13 @@ class Loads:
             )
             self.report.bad_donors.append(spec.key)
             self.stats.add("load_failures")
-            return False
+            return None
         self.stats.add("loaded_tokens", spec.num_tokens)
         if held is not None:
             self.stats.add("block_copied_tokens", spec.num_tokens)
-        self.stats.add("load_ms", (time.perf_counter() - t0) * 1e3)
-        return True
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.add("load_ms", ms)
+        return ms
 
     def restart_logprobs(self, req_id: str) -> None:
         """A load that marked ``req_id``'s prompt-logprob rows failed (here or on another

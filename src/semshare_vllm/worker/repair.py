@@ -92,7 +92,8 @@ def repair(
         stats.add("recompute_declined")
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
-    stats.add("recompute_ms", (time.perf_counter() - t0) * 1e3)
+    recompute_ms = (time.perf_counter() - t0) * 1e3
+    stats.add("recompute_ms", recompute_ms)
     # one count per layer of the model (an empty selection: none, nothing redone); an
     # escalation's second pass through some layers counts there too
     work = len(result.per_layer) * spec.num_tokens
@@ -105,6 +106,7 @@ def repair(
         gate,
         selection.escalations,
         selection.declined,
+        recompute_ms=recompute_ms,
     )
 
 

@@ -268,6 +268,52 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     assert report.table({512: {"entity-swap": summary}}).splitlines()[2].endswith("| 0.60 | 50% |")
 
 
+def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
+    """Per served request: one observation of each ``served_<part>_ms`` histogram is its part;
+    per workload, the medians over the hits and what is left of the hit's TTFT (vLLM's)."""
+    from semshare_vllm.bench.measure import _repair_figures
+
+    def metrics(n, search, align, load, recompute):
+        out = {}
+        for part, ms in (
+            ("search", search),
+            ("align", align),
+            ("load", load),
+            ("recompute", recompute),
+        ):
+            out[f"served_{part}_ms_sum"], out[f"served_{part}_ms_count"] = ms, n
+        return out
+
+    a, b, c = (_measured("1985", "1985") for _ in range(3))  # served TTFT: 100 ms each
+    _repair_figures(a, {"before": metrics(0, 0, 0, 0, 0), "after": metrics(1, 5, 4, 10, 40)})
+    _repair_figures(b, {"before": metrics(1, 5, 4, 10, 40), "after": metrics(2, 25, 8, 30, 100)})
+    # an exact hit: a search and nothing else (no repair, no alignment)
+    _repair_figures(
+        c,
+        {
+            "before": metrics(2, 25, 8, 30, 100),
+            "after": {
+                **metrics(2, 25, 8, 30, 100),
+                "served_search_ms_sum": 26,
+                "served_search_ms_count": 3,
+            },
+        },
+    )
+    assert a.timings == pytest.approx({"search": 5, "align": 4, "load": 10, "recompute": 40})
+    assert b.timings == pytest.approx({"search": 20, "align": 4, "load": 20, "recompute": 60})
+    assert c.timings == pytest.approx({"search": 1})
+    b.served = Completion("1985", 0.2, 0.3, 0, 100)  # 200 ms
+    s = report.summarize([a, b, c])["entity-swap"]
+    got = s["breakdown_hits_ms"]
+    assert got["search"] == pytest.approx(5) and got["align"] == pytest.approx(4)
+    assert (got["load"], got["recompute"]) == (pytest.approx(15), pytest.approx(50))
+    # what is left: 100 - 5 - 4 - 10 - 40 = 41 and 200 - 20 - 4 - 20 - 60 = 96 (c: no repair)
+    assert got["vllm"] == pytest.approx(68.5)
+    row = report.breakdown_table({512: {"entity-swap": s}}).splitlines()[2]
+    assert row == "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 68 ms |"
+    assert report.request_rows([a])[0]["timings_ms"] == a.timings
+
+
 def test_plots_at_one_size_draw_bars_per_workload(tmp_path):
     a, b = _measured("1985", "1985"), _measured("x", "y", workload="rag-qa")
     b.connector_tokens = 0  # a miss: its bars say "no hit"

@@ -73,6 +73,8 @@ def test_a_miss_and_an_exact_hit():
             "preemptions": 0,
             "escalations": 0,
             "declined": False,
+            # nothing to search (no donor yet), nothing loaded
+            "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
         }
     }
     hit, load = admit(s, "h", DONOR[:150] + [1, 2, 3], computed=64)  # vLLM's own hit: 64
@@ -80,7 +82,12 @@ def test_a_miss_and_an_exact_hit():
     assert (got["served"], got["exact_tokens"], got["vllm_cached_tokens"]) == ("exact", 64, 64)
     assert got["recompute_share"] == 0.0 and got["repair_report"] is None  # exact KV as is
     s.take_stats()
-    assert s.stats.observed == {"served_recompute_share": [0.0]}  # misses are not observed
+    # misses are not observed; an exact hit reports no worker time (only repairs do)
+    assert s.stats.observed == {
+        "served_recompute_share": [0.0],
+        "served_search_ms": [0.0],
+        "served_align_ms": [0.0],
+    }
 
 
 def test_the_donor_reference_names_the_donor_only_within_its_identity():
@@ -109,21 +116,30 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
     assert delay is False  # no donor: its prompt is the donor's, which covers it
     assert params[KEY]["repair_report"] == "missing"
     sent = params[KEY]
-    s.update_connector_output(output([RepairReport("t", load.seq, 1.0, 0.3, 0.1)]))
+    figures = RepairReport("t", load.seq, 1.0, 0.3, 0.1, load_ms=12.34, recompute_ms=456.78)
+    s.update_connector_output(output([figures]))
     got = params[KEY]  # the same outer dict vLLM put in the EngineCoreOutput
     assert got["repair_report"] == "received" and got["recompute_share"] == 1.0
     assert (got["deviation_before"], got["deviation_after"]) == (0.3, 0.1)
+    # the hit's time breakdown: the worker's part comes with its figures
+    assert sent["timings_ms"] == {"search": 0.0, "align": 0.0, "load": None, "recompute": None}
+    assert got["timings_ms"] == {"search": 0.0, "align": 0.0, "load": 12.3, "recompute": 456.8}
     assert {k: v for k, v in got.items() if v != sent[k]}.keys() == {
         "recompute_share",
         "deviation_before",
         "deviation_after",
         "repair_report",
+        "timings_ms",
     }
     s.take_stats()  # vLLM asks for stats at the end of update_from_output: settled
     assert s.stats.observed == {
         "served_recompute_share": [1.0],
         "served_deviation_before": [0.3],
         "served_deviation_after": [0.1],
+        "served_search_ms": [0.0],
+        "served_align_ms": [0.0],
+        "served_load_ms": [12.3],
+        "served_recompute_ms": [456.8],
     }
     # a report for it now (there is none: a duplicate) writes nothing
     s.update_connector_output(output([RepairReport("t", load.seq, 0.5)]))
