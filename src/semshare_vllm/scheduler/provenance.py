@@ -158,16 +158,12 @@ def _timings(state: RequestState) -> dict:
     sample."""
     repair = state.served.repair
     return {
-        "search": round(state.search_wait_ms, 1),
-        "align": round(state.align_wait_ms, 1),
-        "load": _rounded_ms(None if repair is None else repair.load_ms),
-        "recompute": _rounded_ms(None if repair is None else repair.recompute_ms),
+        "search": _rounded(state.search_wait_ms, 1),
+        "align": _rounded(state.align_wait_ms, 1),
+        "load": _rounded(None if repair is None else repair.load_ms, 1),
+        "recompute": _rounded(None if repair is None else repair.recompute_ms, 1),
     }
 
 
-def _rounded_ms(value: float | None) -> float | None:
-    return None if value is None else round(float(value), 1)
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(float(value), 4)
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(float(value), digits)
