@@ -2,7 +2,9 @@
 paged cache of every layer (``semshare_vllm.kernels.gather_rearrange``).
 
 * CPU: the torch reference on a SmolLM2-135M-shaped cache (30 layers, 3 KV heads, head 64,
-  block 16), fp32 and bf16, CPU_ATTN "vec" pages and packed pages, 2K and 8K tokens.
+  block 16), fp32 and bf16, CPU_ATTN "vec" pages and packed pages, 2K and 8K tokens; then a
+  whole semantic load, donor pages to target pages, staged and scattered by that reference (the
+  CUDA path) against ``page_move`` (the CPU path).
 * CUDA (only when available): the Triton kernel on a Qwen2.5-7B-shaped cache (28 layers,
   4 KV heads, head 128, bf16, packed pages), 8K and 32K tokens, with the share of the device's
   peak bandwidth and a check against the torch reference.
@@ -23,9 +25,12 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
-from semshare_vllm.kernels import RopeTable, gather_rearrange
+from semshare_vllm.kernels import RopeTable, gather_rearrange, stage_rows
+from semshare_vllm.kernels.page_move import move_aligned_rows
+from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec, page_spec
 from semshare_vllm.testbed import rope_tables
 
@@ -178,6 +183,62 @@ def cpu_row(
     ]
 
 
+def cpu_load_row(
+    shape: ModelShape,
+    tokens: int,
+    dtype: torch.dtype,
+    layout: PageSpec,
+    table: RopeTable,
+    alignment: str,
+    repeats: int,
+) -> list:
+    """A whole semantic load, donor pages to target pages, both ways: staged rows scattered by
+    the fused kernel's torch reference (the CUDA path run here) and ``page_move`` (the CPU
+    path). ``alignment``: "run" (every target token takes the donor token 37 positions on: the
+    same text at another offset) or "shuffled" (each takes a random donor row)."""
+    g = torch.Generator().manual_seed(1)
+    bs = shape.block_size
+    num_blocks = -(-tokens // bs) + 2
+    pages = (shape.layers, num_blocks, shape.kv_heads, bs, 2 * shape.head_size)
+    donor = torch.randn(pages, generator=g).to(dtype)
+    target = torch.zeros(pages, dtype=dtype)
+    donor_blocks = torch.randperm(num_blocks, generator=g).tolist()
+    target_blocks = torch.randperm(num_blocks, generator=g).tolist()
+    if alignment == "run":
+        donor_pos = np.arange(tokens) + 37
+        donor_pos[donor_pos >= tokens] = -1
+    else:
+        donor_pos = torch.randperm(tokens, generator=g).numpy()
+    aligned = np.flatnonzero(donor_pos >= 0)
+    rows = torch.as_tensor(donor_pos[aligned])
+    offsets = layout.offsets(donor[0])
+
+    def staged_kernel():
+        staged = stage_rows(donor, slots_for(donor_blocks, 0, tokens, bs)[rows], offsets)
+        gather_rearrange(
+            staged,
+            torch.arange(len(rows)),
+            slots_for(target_blocks, 0, tokens, bs)[torch.as_tensor(aligned)],
+            list(target),
+            offsets,
+            table,
+            rows,
+            torch.as_tensor(aligned),
+            impl="torch",
+        )
+
+    def by_pages():
+        move_aligned_rows(layout, donor, donor_blocks, target, target_blocks, 0, donor_pos, table)
+
+    moved = len(rows) * shape.layers * shape.kv_heads * 2 * shape.head_size
+    moved_bytes = 2 * moved * donor.element_size()  # read once, written once
+    out = [layout.backend, str(dtype).removeprefix("torch."), tokens, alignment]
+    for fn in (staged_kernel, by_pages):
+        seconds = median_seconds(fn, repeats, "cpu")
+        out += [f"{seconds * 1e3:.1f}", f"{moved_bytes / seconds / 1e9:.2f}"]
+    return out
+
+
 def cpu_suite(args) -> None:
     shape = SMOLLM2_135M
     table = rope_table(shape, max(args.cpu_tokens) + 64)
@@ -197,6 +258,27 @@ def cpu_suite(args) -> None:
         f"{torch.get_num_threads()} threads\n"
     )
     print_table(["layout", "dtype", "tokens", "MiB moved", "ms (median)", "GB/s"], rows)
+    loads = [
+        cpu_load_row(shape, tokens, dtype, layout, table, alignment, args.repeats)
+        for layout in layouts
+        for dtype in (torch.float32, torch.bfloat16)
+        for tokens in args.cpu_tokens
+        for alignment in ("run", "shuffled")
+    ]
+    print("### A whole semantic load on CPU, donor pages to target pages\n")
+    print_table(
+        [
+            "layout",
+            "dtype",
+            "tokens",
+            "alignment",
+            "staged + kernel ms",
+            "GB/s",
+            "page_move ms",
+            "GB/s",
+        ],
+        loads,
+    )
 
 
 def gpu_row(

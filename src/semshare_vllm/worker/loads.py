@@ -29,6 +29,8 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import gather_rearrange, stage_rows
+from semshare_vllm.kernels.dispatch import use_triton
+from semshare_vllm.kernels.page_move import move_aligned_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
@@ -200,8 +202,9 @@ class Loads:
         self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int, from_cache: bool
     ) -> None:
         """Semantic load: each aligned position takes its donor row, K RoPE-corrected from the
-        donor's position to its own (``kernels.gather_rearrange``); unaligned positions are left
-        for the recompute, which redoes them in every layer."""
+        donor's position to its own (on CUDA ``kernels.gather_rearrange``, on CPU whole pages
+        through the layout, ``kernels.page_move``); unaligned positions are left for the
+        recompute, which redoes them in every layer."""
         repairer = self.kv.repairer
         if repairer is None:
             raise DonorUnavailable("no layer runner to repair a semantic load")
@@ -209,9 +212,22 @@ class Loads:
         aligned = np.flatnonzero(donor_pos >= 0)
         if not len(aligned):
             return
-        rows, src_rows = np.unique(donor_pos[aligned], return_inverse=True)
-        if rows[-1] >= donor_tokens:
+        if int(donor_pos[aligned].max()) >= donor_tokens:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the alignment")
+        if not use_triton(self.kv.caches[0]):  # CPU: whole pages through the layout
+            for layers, stack in self.kv.stacks:
+                move_aligned_rows(
+                    self.kv.layout,
+                    stack if from_cache else self.kv.store.pool[layers],
+                    donor_blocks,
+                    stack,
+                    spec.block_ids,
+                    spec.dst_start,
+                    donor_pos,
+                    repairer.rope,
+                )
+            return
+        rows, src_rows = np.unique(donor_pos[aligned], return_inverse=True)
         bs = self.kv.block_size
         donor_slots = slots_for(donor_blocks, 0, int(rows[-1]) + 1, bs)[rows]
         target_pos = spec.dst_start + aligned

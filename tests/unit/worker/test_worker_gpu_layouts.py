@@ -29,6 +29,7 @@ from semshare_vllm.metadata import CaptureSpec, LoadSpec, SemShareConnectorMetad
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.recompute.policy import CacheBlend
 from semshare_vllm.store.host_store import HostKVStore
+from semshare_vllm.worker import loads as worker_loads
 from semshare_vllm.worker import setup
 from semshare_vllm.worker.repair import Repairer
 
@@ -179,14 +180,19 @@ def semantic_reference(ref, donor_blocks, block_ids, table):
 
 
 @pytest.mark.parametrize("source", ["pool", "own_blocks"])
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["pages", "torch", "triton"])
 @DTYPE
 @CASE
 def test_semantic_load(monkeypatch, backend, layout, dtype, impl, source):
+    """``pages``: the CPU path (whole pages through the layout, ``kernels.page_move``);
+    ``torch`` / ``triton``: the CUDA path (``gather_rearrange``), its torch reference or its
+    Triton kernel."""
     if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest)")
     w, ref = registered(monkeypatch, backend, layout, dtype)
     launches = []
+    if impl != "pages":  # the worker moves CPU tensors by pages: make it take the CUDA path
+        monkeypatch.setattr(worker_loads, "use_triton", lambda t, impl="auto": True)
     if impl == "triton":  # the dispatcher sends CPU tensors to torch: send them to Triton
         from semshare_vllm.kernels import triton_gather
 
@@ -213,10 +219,10 @@ def test_semantic_load(monkeypatch, backend, layout, dtype, impl, source):
     w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
     assert w.get_block_ids_with_load_errors() == set() and not w.report.bad_donors
     assert w.stats.totals["loaded_tokens"] == NUM
-    assert launches or impl == "torch"
+    assert bool(launches) == (impl == "triton")
     semantic_reference(ref, donor_blocks, block_ids, table)
     for cache, r in zip(w.kv.caches, ref):
-        if impl == "torch":
+        if impl != "triton":
             assert same_bits(cache, r)
         else:  # V moved as is; K rotated in fp32 and cast (the interpreter truncates to bf16)
             assert same_bits(cache[..., D:], r[..., D:])

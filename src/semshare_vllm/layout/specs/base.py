@@ -101,6 +101,8 @@ class PageSpec(ABC):
             )
             ks.append(k)
             vs.append(v)
+        if len(ks) == 1:  # one piece: no concatenating copy
+            return ks[0], vs[0]
         return torch.cat(ks), torch.cat(vs)
 
     def write_range(

@@ -45,7 +45,7 @@ class PackedKVSpec(PageSpec):
     def read_blocks(self, kv_cache, blocks):
         k, v = self._split(kv_cache)
         blocks = blocks.to(k.device)
-        return tuple(x[blocks].transpose(1, 2).flatten(0, 1) for x in (k, v))
+        return tuple(x.index_select(0, blocks).transpose(1, 2).flatten(0, 1) for x in (k, v))
 
     def write_blocks(self, kv_cache, blocks, k, v):
         block_size = kv_cache.shape[2]
