@@ -144,15 +144,19 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
     config["model"] = endpoint.model
     interrupted = False
     warm_up(endpoint, args.donor_wait_s)
+    limit = endpoint.max_model_len and endpoint.max_model_len - args.max_tokens
     for tokens in args.context_tokens:
         if args.workload_file:
             requests = workloads.load_file(args.workload_file)
         else:
-            requests = [
-                r
-                for name in args.workload_names
-                for r in workloads.build(name, args.groups, tokens, sizer, args.seed)
-            ]
+            requests = []
+            for name in args.workload_names:
+                built, size = workloads.build_within(
+                    name, args.groups, tokens, sizer, args.seed, limit
+                )
+                if size != tokens:
+                    print(f"{name} at ~{tokens} tokens: built at {size} to fit {limit}")
+                requests += built
         targets = sum(r.role == "target" for r in requests)
         print(
             f"\n{len(requests)} requests at ~{tokens} tokens ({targets} targets, cold and served):"
@@ -221,12 +225,14 @@ def _launched(args: argparse.Namespace) -> int:
     kv = dict(SEMSHARE)
     if args.extra_config:
         kv["kv_connector_extra_config"] = args.extra_config
-    longest = max(args.context_tokens) + 512
+    # room for the workloads' instructions and questions, within the model's own context
+    max_model_len = max(4096, max(args.context_tokens) + 512)
+    limit = models.context_limit(model)
+    if limit is not None:
+        max_model_len = min(max_model_len, limit)
     log = Path(tempfile.mkdtemp(prefix="semshare-bench-")) / "vllm-serve.log"
     print(f"starting vllm serve {model} with the SemShare connector (log: {log})")
-    with VllmServer(
-        model, kv, ["--block-size", "32"], log, max_model_len=max(4096, longest)
-    ) as server:
+    with VllmServer(model, kv, ["--block-size", "32"], log, max_model_len=max_model_len) as server:
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()
         return bench(args, endpoint, _sizer(args.tokenizer or model))

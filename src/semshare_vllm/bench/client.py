@@ -37,6 +37,7 @@ class Endpoint:
             self.url = self.url[:-3]
         self.timeout_s = timeout_s
         self.model = model
+        self.max_model_len: int | None = None
 
     def check(self, need_connector: bool = True) -> None:
         """Fail clearly unless the server answers, serves a model and (``need_connector``)
@@ -46,11 +47,15 @@ class Endpoint:
             models.raise_for_status()
         except requests.RequestException as exc:
             raise EndpointError(f"no vLLM server at {self.url}: {exc}") from None
+        data = models.json().get("data") or []
         if self.model is None:
-            data = models.json().get("data") or []
             if not data:
                 raise EndpointError(f"{self.url} serves no model")
             self.model = data[0]["id"]
+        # vLLM's model card names the context it serves: the workloads are fitted to it
+        self.max_model_len = next(
+            (m.get("max_model_len") for m in data if m.get("id") == self.model), None
+        )
         if need_connector and not self.counters():
             raise EndpointError(
                 f"{self.url} does not run the SemShare connector (no vllm:semshare_* metrics); "

@@ -100,6 +100,25 @@ class Sizer:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
+def build_within(
+    name: str, groups: int, tokens: int, sizer: Sizer, seed: int, limit: int | None
+) -> tuple[list[BenchRequest], int]:
+    """``build``, at a smaller size where a request would not fit ``limit`` tokens (the
+    server's context less the output; a scored reference counts with its prompt): the requests
+    and the size they were built at. Near a model's context limit (SmolLM2's 8,192) a
+    workload's instructions, questions and passages would otherwise push prompts past it."""
+    size = tokens
+    for _ in range(4):
+        requests = build(name, groups, size, sizer, seed)
+        longest = max(sizer.count(r.prompt + (r.reference or "")) for r in requests)
+        if limit is None or longest <= limit:
+            return requests, size
+        size -= longest - limit + 8  # (a re-cut can land a few tokens long)
+        if size < 64:
+            break
+    raise WorkloadError(f"{name} does not fit {limit} tokens at ~{tokens}")
+
+
 def build(name: str, groups: int, tokens: int, sizer: Sizer, seed: int = 0) -> list[BenchRequest]:
     """``groups`` groups of workload ``name`` at about ``tokens`` prompt tokens."""
     if name not in _BUILDERS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -85,6 +86,17 @@ def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2()), local_files_only=True)
+
+
+def context_limit(model: str | Path) -> int | None:
+    """The longest context a local model was trained for (its config's
+    ``max_position_embeddings``); None where it has no readable config."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings")
+    return int(limit) if isinstance(limit, int) else None
 
 
 def _build_tiny_llama(out: Path) -> None:

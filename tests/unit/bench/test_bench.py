@@ -9,6 +9,7 @@ import pytest
 
 from semshare_vllm.bench import cli
 from semshare_vllm.bench import workloads as W
+from semshare_vllm.bench.client import Endpoint
 from semshare_vllm.testbed.models import smollm2_tokenizer
 
 
@@ -56,6 +57,31 @@ def test_workloads_are_real_text_sized_and_seeded(sizer, name):
         assert all(r.reference is None for r in reqs)
 
 
+@pytest.mark.parametrize("name", ["rag-reorder", "cross-instruction", "doc-qa"])
+def test_workloads_near_the_models_context_are_built_to_fit_it(sizer, name):
+    """At 8K, SmolLM2's whole context, rag-reorder's prompts came out ~8,680 tokens: built
+    smaller, every prompt (with its scored reference) fits the server's context less the
+    output; where it already fits, the size is kept."""
+    limit = 8192 - 32
+    reqs, size = W.build_within(name, 1, 8192, sizer, 0, limit)
+    assert max(sizer.count(r.prompt + (r.reference or "")) for r in reqs) <= limit
+    assert size < 8192 and size > 7000
+    assert W.build_within(name, 1, 1024, sizer, 0, limit) == (W.build(name, 1, 1024, sizer), 1024)
+    with pytest.raises(W.WorkloadError, match="does not fit"):
+        W.build_within(name, 1, 1024, sizer, 0, 50)
+
+
+def test_the_endpoint_reads_the_context_the_server_serves():
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _PlainVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        endpoint = Endpoint(f"http://127.0.0.1:{srv.server_port}")
+        endpoint.check(need_connector=False)
+    finally:
+        srv.shutdown()
+    assert (endpoint.model, endpoint.max_model_len) == ("m", 8192)
+
+
 def test_workload_file_errors_name_the_line(tmp_path):
     good = tmp_path / "w.jsonl"
     good.write_text(
@@ -101,7 +127,7 @@ class _PlainVllm(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         body = (
-            json.dumps({"data": [{"id": "m"}]})
+            json.dumps({"data": [{"id": "m", "max_model_len": 8192}]})
             if self.path == "/v1/models"
             else 'vllm:num_requests_running{model_name="m"} 0.0\n'
         ).encode()
