@@ -101,6 +101,10 @@ class RepairReport:
     # the recompute (the hit's time breakdown in its provenance)
     load_ms: float | None = None
     recompute_ms: float | None = None
+    # the recompute's time per layer of the model, and the part of it spent in the layers that
+    # ran every position it started with (layer 0, the check layer's probe)
+    recompute_layer_ms: list[float] | None = None
+    recompute_whole_ms: float | None = None
 
 
 @dataclass

@@ -74,6 +74,13 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         # deadline is long: it waits for both), the worker's load and recompute
         t = hit["timings_ms"]
         assert t["search"] >= 0 and t["align"] > 0 and t["load"] > 0 and t["recompute"] > 0
+        # the recompute by layer of the model: layer 0 and the check layer's probe ran every
+        # position, the layers after them the kept share
+        layers = hit["recompute_layers_ms"]
+        assert len(layers) == 30 and all(ms > 0 for ms in layers)
+        assert sum(layers) == pytest.approx(t["recompute"], rel=0.05)
+        assert layers[1] < hit["recompute_whole_ms"] <= sum(layers)
+        assert layers[0] > max(layers[2:])
         assert exact["timings_ms"]["load"] is None and exact["timings_ms"]["align"] == 0
 
         # nothing like it: a miss
@@ -101,4 +108,5 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
     assert count("served_recompute_share") == 2  # the exact hit and the semantic one
     assert count("served_deviation_before") == count("served_deviation_after") == 1
     assert count("served_load_ms") == count("served_recompute_ms") == 1
+    assert count("served_recompute_whole_ms") == 1
     assert count("served_search_ms") == count("served_align_ms") == 2  # both hits

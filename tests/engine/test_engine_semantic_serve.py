@@ -109,3 +109,36 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
     assert stats["semantic_hits"] >= 2 + len(cases["fact_targets"]) + 32 * 0.5
     assert "recompute_failures" not in stats and "load_failures" not in stats
     assert stats["reuse_opt_outs"] >= 1
+
+
+def test_a_long_prompt_at_the_models_context_limit_hits_and_answers_as_cold(model, tmp_path):
+    """Issue 21's long prompts, with what users run (vLLM's prefix caching on, its default
+    block size, the connector's defaults but the lookup deadline): semshare-bench's first
+    cross-instruction pair at SmolLM2's whole context (8K tokens, built to fit it), the same
+    article behind another chat-template instruction. The target is computed cold on the same
+    server first (opted out, under another cache salt: neither vLLM's prefix cache nor a donor
+    can serve it), then served from the donor: the connector claims most of it and the greedy
+    answer starts as cold's."""
+    from semshare_vllm.bench import workloads as W
+    from semshare_vllm.testbed.models import context_limit, smollm2_tokenizer
+
+    limit = context_limit(model)
+    assert limit == 8192
+    requests, _ = W.build_within(
+        "cross-instruction", 1, limit, W.Sizer(smollm2_tokenizer()), 0, limit - 16
+    )
+    donor, target = (r.prompt for r in requests)
+    cfg = dict(SEMSHARE, kv_connector_extra_config={"lookup_deadline_ms": 60000})
+    with VllmServer(model, cfg, [], tmp_path / "serve.log", max_model_len=limit) as srv:
+        srv.complete(donor, max_tokens=1)
+        srv.wait_for_stat("donors_embedded", 1, timeout_s=300)
+        cold = srv.completion_body(
+            target, max_tokens=8, cache_salt="cold", kv_transfer_params={"semshare": "off"}
+        )
+        hit = srv.completion_body(target, max_tokens=8)
+    assert cold["usage"]["prompt_tokens"] > 7800
+    served = hit["kv_transfer_params"]["semshare_provenance"]
+    assert served["served"] == "semantic"
+    assert served["semantic_tokens"] >= 0.7 * served["prompt_tokens"]
+    assert not served["load_failed"] and 0 < served["recompute_share"] < 0.5
+    assert hit["choices"][0]["text"].split()[:2] == cold["choices"][0]["text"].split()[:2]

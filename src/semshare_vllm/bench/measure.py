@@ -43,6 +43,8 @@ class Measured:
     # where the served request's time went, as its provenance reports it (ms, by part of
     # ``TIMINGS``; a part missing: it did not run, or its figure did not arrive)
     timings: dict[str, float] = field(default_factory=dict)
+    # of its recompute, the time in the layers that ran every position (layer 0, the probe)
+    recompute_whole_ms: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -138,6 +140,8 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     for part in TIMINGS:
         if delta(f"served_{part}_ms_count") == 1:
             m.timings[part] = delta(f"served_{part}_ms_sum")
+    if delta("served_recompute_whole_ms_count") == 1:
+        m.recompute_whole_ms = delta("served_recompute_whole_ms_sum")
 
 
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:

@@ -118,6 +118,7 @@ def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
     is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and forward, the first
     sample, the HTTP round trip), over the hits that reported every part it subtracts."""
     out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
+    out["recompute_whole"] = _median(m.recompute_whole_ms for m in hits)
     out["vllm"] = _median(
         m.served.ttft_s * 1e3 - sum(m.timings.values())
         for m in hits
@@ -191,6 +192,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "recompute_share": m.recompute_share,
             "escalated": m.escalated,
             "timings_ms": m.timings or None,
+            "recompute_whole_ms": m.recompute_whole_ms,
         }
         for m in results
     ]
@@ -236,15 +238,16 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
     over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports)."""
     lines = [
         "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
-        "recompute | vLLM & rest |",
-        "|---|---|---|---|---|---|---|---|",
+        "recompute | of which layers run whole | vLLM & rest |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
             b = s.get("breakdown_hits_ms") or {}
             if not s["hits"] or not any(v is not None for v in b.values()):
                 continue
-            cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in (*TIMINGS, "vllm"))
+            parts = (*TIMINGS, "recompute_whole", "vllm")
+            cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
             hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
             lines.append(f"| {tokens:,} | {name} | {hit} | {cells} |")
     return "\n".join(lines)

@@ -131,6 +131,11 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "per repaired semantic hit: milliseconds of its selective recompute",
         _MS_BUCKETS,
     ),
+    "served_recompute_whole_ms": (
+        "per repaired semantic hit: the part of its recompute spent in the layers that ran "
+        "every position (layer 0, the check layer's probe)",
+        _MS_BUCKETS,
+    ),
 }
 
 

@@ -40,7 +40,8 @@ structure is read through ``vllm_compat.decoder_layers``; anything else raises
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -278,7 +279,7 @@ class LayerRunner:
             selection = Fixed(np.asarray(selection, dtype=np.int64))
         start = selection.start()
         if len(start) == 0:
-            return RecomputeResult(start, None, [])
+            return RecomputeResult(start, None, [], [])
         context = int(start[-1]) + 1 if context is None else context
         if int(start[-1]) >= context or int(start[0]) < 0:
             raise ValueError("positions must lie inside the context")
@@ -291,9 +292,11 @@ class LayerRunner:
         ids = torch.as_tensor(token_ids[:context], dtype=torch.long, device=self.device)
         hidden, residual = self.embed(ids[pos]), None
         counts, fault = [0] * len(self.layers), None
+        spent = [0.0] * len(self.layers)
         entered = None  # (layer, positions, hidden, residual) where the selection narrowed
         index = 0
         while index < len(self.layers):
+            began = time.perf_counter()
             lay = self.layers[index]
             want_dev, want_attn = selection.wants_probe(index)
             narrows = selection.narrows_at(index)
@@ -322,8 +325,10 @@ class LayerRunner:
             fault = fault or stand_in.fault
             keep = selection.after_layer(self._probe(index, pos_np, stand_in, context))
             if isinstance(keep, Decline):
+                spent[index] += (time.perf_counter() - began) * 1e3
                 break  # (every tensor-parallel rank decides alike: no collective is left hanging)
             if isinstance(keep, Escalate):
+                spent[index] += (time.perf_counter() - began) * 1e3
                 if entered is None:
                     raise ValueError("a selection escalated without having narrowed")
                 index, pos_np, hidden, residual = entered
@@ -344,13 +349,14 @@ class LayerRunner:
                 with attention_replaced(lay.decoder, stand_in):
                     hidden, residual = lay.decoder(pos, hidden, residual)
                 fault = fault or stand_in.fault
+            spent[index] += (time.perf_counter() - began) * 1e3
             index += 1
         if fault is not None:
             raise RecomputeFault(f"{type(fault).__name__}: {fault}") from fault
         final = None
         if final_hidden and not selection.declined:
             final = self.stack.final_norm(hidden, residual)
-        return RecomputeResult(pos_np, final, counts)
+        return RecomputeResult(pos_np, final, counts, spent)
 
     @staticmethod
     def _probe(
@@ -387,5 +393,13 @@ class RecomputeResult:
     positions: np.ndarray  # recomputed through the last layer
     hidden: torch.Tensor | None  # their final hidden states (``final_hidden``)
     # how many positions each layer recomputed (an escalation's second pass through a layer
-    # adds to it)
+    # adds to it), and the time each took (ms, its probe and scoring included)
     per_layer: list[int]
+    per_layer_ms: list[float] = field(default_factory=list)
+
+    @property
+    def whole_layers_ms(self) -> float:
+        """Time in the layers that ran every position the recompute started with (layer 0, a
+        probe layer, every layer of a selection that never narrows)."""
+        full = self.per_layer[0] if self.per_layer else 0
+        return sum(ms for n, ms in zip(self.per_layer, self.per_layer_ms) if n >= full)

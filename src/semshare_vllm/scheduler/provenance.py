@@ -130,6 +130,10 @@ class Provenance:
             "escalations": int(escalations),
             "declined": declined,
             "timings_ms": _timings(state),
+            "recompute_layers_ms": _per_layer(state),
+            "recompute_whole_ms": _rounded(
+                None if served.repair is None else served.repair.recompute_whole_ms, 1
+            ),
         }
 
     def _reference(self, key: DonorKey) -> str:
@@ -147,6 +151,8 @@ class Provenance:
         for name, ms in figures["timings_ms"].items():
             if ms is not None:
                 self.stats.observe(f"served_{name}_ms", ms)
+        if figures["recompute_whole_ms"] is not None:
+            self.stats.observe("served_recompute_whole_ms", figures["recompute_whole_ms"])
 
 
 def _timings(state: RequestState) -> dict:
@@ -163,6 +169,15 @@ def _timings(state: RequestState) -> dict:
         "load": _rounded(None if repair is None else repair.load_ms, 1),
         "recompute": _rounded(None if repair is None else repair.recompute_ms, 1),
     }
+
+
+def _per_layer(state: RequestState) -> list[float] | None:
+    """The recompute's time per layer of the model (ms; where it escalated, a layer it ran
+    twice holds both runs), None where no repaired load reported it."""
+    repair = state.served.repair
+    if repair is None or repair.recompute_layer_ms is None:
+        return None
+    return [_rounded(ms, 1) for ms in repair.recompute_layer_ms]
 
 
 def _rounded(value: float | None, digits: int = 4) -> float | None:

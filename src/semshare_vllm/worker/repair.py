@@ -107,6 +107,8 @@ def repair(
         selection.escalations,
         selection.declined,
         recompute_ms=recompute_ms,
+        recompute_layer_ms=result.per_layer_ms,
+        recompute_whole_ms=result.whole_layers_ms,
     )
 
 

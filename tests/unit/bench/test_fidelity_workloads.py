@@ -285,7 +285,10 @@ def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
         return out
 
     a, b, c = (_measured("1985", "1985") for _ in range(3))  # served TTFT: 100 ms each
-    _repair_figures(a, {"before": metrics(0, 0, 0, 0, 0), "after": metrics(1, 5, 4, 10, 40)})
+    whole = {"served_recompute_whole_ms_sum": 30, "served_recompute_whole_ms_count": 1}
+    _repair_figures(
+        a, {"before": metrics(0, 0, 0, 0, 0), "after": {**metrics(1, 5, 4, 10, 40), **whole}}
+    )
     _repair_figures(b, {"before": metrics(1, 5, 4, 10, 40), "after": metrics(2, 25, 8, 30, 100)})
     # an exact hit: a search and nothing else (no repair, no alignment)
     _repair_figures(
@@ -309,9 +312,13 @@ def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
     assert (got["load"], got["recompute"]) == (pytest.approx(15), pytest.approx(50))
     # what is left: 100 - 5 - 4 - 10 - 40 = 41 and 200 - 20 - 4 - 20 - 60 = 96 (c: no repair)
     assert got["vllm"] == pytest.approx(68.5)
+    # of a's recompute, 30 ms in the layers that ran every position (b, c: not reported)
+    assert (a.recompute_whole_ms, b.recompute_whole_ms) == (30, None)
+    assert got["recompute_whole"] == pytest.approx(30)
     row = report.breakdown_table({512: {"entity-swap": s}}).splitlines()[2]
-    assert row == "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 68 ms |"
+    assert row == "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 30 ms | 68 ms |"
     assert report.request_rows([a])[0]["timings_ms"] == a.timings
+    assert report.request_rows([a])[0]["recompute_whole_ms"] == 30
 
 
 def test_plots_at_one_size_draw_bars_per_workload(tmp_path):

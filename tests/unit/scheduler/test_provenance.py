@@ -75,6 +75,8 @@ def test_a_miss_and_an_exact_hit():
             "declined": False,
             # nothing to search (no donor yet), nothing loaded
             "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
+            "recompute_layers_ms": None,
+            "recompute_whole_ms": None,
         }
     }
     hit, load = admit(s, "h", DONOR[:150] + [1, 2, 3], computed=64)  # vLLM's own hit: 64
@@ -116,7 +118,17 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
     assert delay is False  # no donor: its prompt is the donor's, which covers it
     assert params[KEY]["repair_report"] == "missing"
     sent = params[KEY]
-    figures = RepairReport("t", load.seq, 1.0, 0.3, 0.1, load_ms=12.34, recompute_ms=456.78)
+    figures = RepairReport(
+        "t",
+        load.seq,
+        1.0,
+        0.3,
+        0.1,
+        load_ms=12.34,
+        recompute_ms=456.78,
+        recompute_layer_ms=[300.04, 156.74],
+        recompute_whole_ms=300.04,
+    )
     s.update_connector_output(output([figures]))
     got = params[KEY]  # the same outer dict vLLM put in the EngineCoreOutput
     assert got["repair_report"] == "received" and got["recompute_share"] == 1.0
@@ -124,12 +136,16 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
     # the hit's time breakdown: the worker's part comes with its figures
     assert sent["timings_ms"] == {"search": 0.0, "align": 0.0, "load": None, "recompute": None}
     assert got["timings_ms"] == {"search": 0.0, "align": 0.0, "load": 12.3, "recompute": 456.8}
+    assert (sent["recompute_layers_ms"], sent["recompute_whole_ms"]) == (None, None)
+    assert (got["recompute_layers_ms"], got["recompute_whole_ms"]) == ([300.0, 156.7], 300.0)
     assert {k: v for k, v in got.items() if v != sent[k]}.keys() == {
         "recompute_share",
         "deviation_before",
         "deviation_after",
         "repair_report",
         "timings_ms",
+        "recompute_layers_ms",
+        "recompute_whole_ms",
     }
     s.take_stats()  # vLLM asks for stats at the end of update_from_output: settled
     assert s.stats.observed == {
@@ -140,6 +156,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
         "served_align_ms": [0.0],
         "served_load_ms": [12.3],
         "served_recompute_ms": [456.8],
+        "served_recompute_whole_ms": [300.0],
     }
     # a report for it now (there is none: a duplicate) writes nothing
     s.update_connector_output(output([RepairReport("t", load.seq, 0.5)]))

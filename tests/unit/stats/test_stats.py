@@ -61,4 +61,5 @@ def test_histograms_reach_prometheus():
         "served_align_ms",
         "served_load_ms",
         "served_recompute_ms",
+        "served_recompute_whole_ms",
     }

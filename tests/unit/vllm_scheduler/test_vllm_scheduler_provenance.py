@@ -106,6 +106,8 @@ def test_provenance_reaches_the_request_output_vllm_builds(async_scheduling):
         "declined": False,
         # the report made here names no worker times (real ones: tests/engine)
         "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
+        "recompute_layers_ms": None,
+        "recompute_whole_ms": None,
     }
     assert len(got["donor"]) == 32 and load.key.donor_id not in got["donor"]
     assert through_the_frontend(core, target).kv_transfer_params == {KEY: got}

@@ -326,6 +326,10 @@ def test_the_recompute_reads_and_writes_the_cache_as_on_a_plain_copy(backend, la
         results.append((result, selection.measured))
     (got, got_dev), (want, want_dev) = results
     assert got.per_layer == want.per_layer and got.per_layer[0] == 50 > got.per_layer[-1]
+    # each layer timed; the whole-layer part is the layers that ran all 50 positions
+    assert len(got.per_layer_ms) == len(got.per_layer) and min(got.per_layer_ms) > 0
+    whole = [ms for n, ms in zip(got.per_layer, got.per_layer_ms) if n == 50]
+    assert got.whole_layers_ms == pytest.approx(sum(whole)) and len(whole) < len(got.per_layer)
     assert np.array_equal(got.positions, want.positions)
     assert torch.equal(got.hidden, want.hidden) and got_dev == want_dev
     for name in LAYERS:
