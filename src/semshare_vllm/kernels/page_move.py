@@ -43,20 +43,55 @@ def move_aligned_rows(
     dst_first, dst_last = int(targets[0]) // bs, int(targets[-1]) // bs
     src_ids = torch.as_tensor(src_blocks[src_first : src_last + 1], dtype=torch.long)
     dst_ids = torch.as_tensor(dst_blocks[dst_first : dst_last + 1], dtype=torch.long)
-    pick = torch.as_tensor(rows - src_first * bs)
-    place = torch.as_tensor(targets - dst_first * bs)
+    pick, place = _index(rows - src_first * bs), _index(targets - dst_first * bs)
+    # Target blocks whose every position takes a row are written without being read first;
+    # the others (holes, the span's edges) are read, so what takes no row is written back.
+    covered = np.zeros((len(dst_ids), bs), dtype=bool)
+    covered.flat[targets - dst_first * bs] = True
+    partial = np.flatnonzero(~covered.all(axis=1))
+    partial_ids, partial_at = dst_ids[partial], torch.as_tensor(partial)
     delta = None
     if table is not None and not np.array_equal(rows, targets):
         delta = rope_delta(table, torch.as_tensor(rows), torch.as_tensor(targets))
         table = table.to(delta.cos.device)
+    k_dst = v_dst = None
     for src, dst in zip(src_pages, dst_pages):
         k, v = layout.read_blocks(src, src_ids)
-        k, v = k.index_select(0, pick), v.index_select(0, pick)
-        if delta is not None:  # k is a fresh copy: rotated in place
+        k, v = _take(k, pick), _take(v, pick)
+        if delta is not None:  # k is this call's own copy: rotated in place
             k = apply_rope_delta(k, delta, table, k)
-        # The target's blocks are rewritten whole: every position that takes no row (holes,
-        # the blocks' other tokens) is written back as it was read.
-        k_dst, v_dst = layout.read_blocks(dst, dst_ids)
-        k_dst.index_copy_(0, place, k.to(k_dst.dtype))
-        v_dst.index_copy_(0, place, v.to(v_dst.dtype))
+        if k_dst is None:  # one buffer for every layer: [blocks * N, H, D]
+            shape = (len(dst_ids) * bs, *k.shape[1:])
+            k_dst = torch.empty(shape, dtype=dst.dtype, device=dst.device)
+            v_dst = torch.empty(shape, dtype=dst.dtype, device=dst.device)
+        if len(partial):
+            old_k, old_v = layout.read_blocks(dst, partial_ids)
+            k_dst.view(-1, bs, *k.shape[1:]).index_copy_(
+                0, partial_at, old_k.unflatten(0, (-1, bs))
+            )
+            v_dst.view(-1, bs, *v.shape[1:]).index_copy_(
+                0, partial_at, old_v.unflatten(0, (-1, bs))
+            )
+        _put(k_dst, place, k)
+        _put(v_dst, place, v)
         layout.write_blocks(dst, dst_ids, k_dst, v_dst)
+
+
+def _index(values: np.ndarray) -> slice | torch.Tensor:
+    """``values`` as a slice where they are consecutive (a run moved whole: no gather), else an
+    index tensor."""
+    if len(values) and int(values[-1]) - int(values[0]) + 1 == len(values):
+        if bool((np.diff(values) == 1).all()):
+            return slice(int(values[0]), int(values[-1]) + 1)
+    return torch.as_tensor(values)
+
+
+def _take(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    return x[index] if isinstance(index, slice) else x.index_select(0, index)
+
+
+def _put(dst: torch.Tensor, index: slice | torch.Tensor, x: torch.Tensor) -> None:
+    if isinstance(index, slice):
+        dst[index] = x
+    else:
+        dst.index_copy_(0, index, x.to(dst.dtype))

@@ -129,6 +129,25 @@ def test_range_io_equals_slot_io(backend, start, count):
     assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
+@pytest.mark.parametrize("kind", ["FLASH_ATTN", "CPU_ATTN", "permuted", "one_head"])
+def test_block_reads_are_copies(kind):
+    """``read_blocks`` hands out its own tensors (a semantic load rotates K in place), also
+    where a reshape could have been a view (one KV head; pages already token-major)."""
+    heads = 1 if kind == "one_head" else H
+    if kind == "permuted":
+        g = torch.Generator().manual_seed(9)
+        orders = tuple(torch.randperm(N * D, generator=g).view(N, D) for _ in range(2))
+        spec = CpuAttnSpec("CPU_ATTN", D, positions=orders)
+    else:
+        spec = page_spec("CPU_ATTN" if kind == "one_head" else kind, D, cpu_isa="vec")
+    cache = torch.randn(B, heads, N, 2 * D)
+    before = cache.clone()
+    k, v = spec.read_blocks(cache, torch.tensor([3, 1]))
+    k.add_(1.0)
+    v.add_(1.0)
+    assert torch.equal(cache, before)
+
+
 def test_any_page_permutation_block_and_slot_paths_agree():
     """A kernel with some other in-page order (say, another ISA's tiling) is still served."""
     g = torch.Generator().manual_seed(4)

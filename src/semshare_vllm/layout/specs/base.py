@@ -78,7 +78,8 @@ class PageSpec(ABC):
     def read_blocks(
         self, kv_cache: torch.Tensor, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every token of the given blocks, ``[len(blocks) * N, H, D]`` each."""
+        """K and V of every token of the given blocks, ``[len(blocks) * N, H, D]`` each (a
+        copy: callers change it in place)."""
 
     @abstractmethod
     def write_blocks(
