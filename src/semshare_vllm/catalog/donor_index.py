@@ -153,7 +153,7 @@ class DonorIndex:
                     del table[h]
         if not table:
             self._by_hash.pop(key.namespace, None)
-        if self.vectors is not None and record.embedding is not None:
+        if self.vectors is not None:  # embedded, or offered by its grams alone
             self.vectors.remove(key.namespace, key)
         return record
 
@@ -162,6 +162,14 @@ class DonorIndex:
         self._lru[key].last_used = self.clock()
 
     # ---- discovery and quality ----------------------------------------------------------------
+    def offer_content(self, key: DonorKey) -> None:
+        """Make the donor findable by its text (sampled 4-grams) now, before its embedding:
+        the next turn of a chat may come sooner than the embedding does."""
+        record = self._lru.get(key)
+        if self.vectors is not None and record is not None and not record.demoted:
+            if record.embedding is None:
+                self.vectors.add_grams(key.namespace, key, record.prompt_token_ids)
+
     def set_embedding(
         self, key: DonorKey, serial: int, embedding: "DocumentEmbedding", fingerprint: int
     ) -> bool:
@@ -184,7 +192,7 @@ class DonorIndex:
         if record is None:
             return
         record.demoted = True
-        if self.vectors is not None and record.embedding is not None:
+        if self.vectors is not None:
             self.vectors.remove(key.namespace, key)
 
     def report_deviation(self, key: DonorKey, deviation: float) -> list[DonorKey]:
@@ -194,7 +202,7 @@ class DonorIndex:
         if record is None:
             return []
         verdict = self.policy.on_deviation(record, deviation)
-        if verdict == "demote" and self.vectors is not None and record.embedding is not None:
+        if verdict == "demote" and self.vectors is not None:
             self.vectors.remove(key.namespace, key)  # no longer offered by discovery
         if verdict == "evict":
             self.remove(key)

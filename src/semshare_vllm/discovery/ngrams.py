@@ -55,6 +55,9 @@ class GramTable:
     def __len__(self) -> int:
         return len(self._grams)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._grams
+
     def add(self, key: Hashable, grams: np.ndarray) -> None:
         self._grams[key] = grams
         self._recent.append(key)

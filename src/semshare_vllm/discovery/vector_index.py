@@ -14,7 +14,8 @@ Search kinds (``index_kind`` in the config):
 FAISS tables stay on the CPU even with a GPU: donors leave one at a time, and FAISS's GPU indexes
 cannot remove entries. Every table also keeps the 64-bit SimHash of each donor, for the
 near-duplicate scan that needs no embedding, and its sampled token 4-grams (``ngrams``), for the
-test that any donor could serve a prompt at all.
+test that any donor could serve a prompt at all. A donor not embedded yet is offered by its grams
+alone (``add_grams``): found by a prompt that holds most of them, never by meaning.
 
 Thread-safety: one lock. The scheduler thread adds and removes (cheap), the discovery thread
 searches and builds FAISS tables (the slow training runs outside the lock).
@@ -113,8 +114,14 @@ class VectorIndex:
         return sum(len(t) for t in self._tables.values())
 
     def size(self, namespace: str) -> int:
+        """Donors of ``namespace`` with a vector (searchable by meaning)."""
         table = self._tables.get(namespace)
         return len(table) if table is not None else 0
+
+    def has_donors(self, namespace: str) -> bool:
+        """Whether any donor of ``namespace`` can be found, by meaning or by its grams."""
+        table = self._tables.get(namespace)
+        return table is not None and (len(table) > 0 or len(table.grams) > 0)
 
     def __contains__(self, item: tuple[str, Hashable]) -> bool:
         namespace, key = item
@@ -133,6 +140,19 @@ class VectorIndex:
         """Add a donor with the sampled 4-grams of its prompt (the catalog calls this: how
         prompts are sampled is discovery's business)."""
         self.add(namespace, key, vector, fingerprint, sample_grams(token_ids))
+
+    def add_grams(self, namespace: str, key: Hashable, token_ids: Sequence[int]) -> None:
+        """Offer a donor by its content alone (its prompt's sampled 4-grams) until its vector
+        comes (``add_donor``): found by a prompt holding most of them, never by meaning."""
+        grams = sample_grams(token_ids)
+        with self._lock:
+            table = self._tables.get(namespace)
+            if table is None:
+                table = self._tables[namespace] = _Table(self.dim)
+                if self.kind == "faiss-flat":
+                    table.faiss = self._flat()
+            if key not in table.row_of:
+                table.grams.add(key, grams)
 
     def add(
         self,
@@ -158,12 +178,18 @@ class VectorIndex:
                 table.grams.add(key, grams)
 
     def remove(self, namespace: str, key: Hashable) -> bool:
+        """Forget a donor (with a vector, or offered by its grams alone)."""
         with self._lock:
             table = self._tables.get(namespace)
-            if table is None or key not in table.row_of:
+            if table is None:
                 return False
-            table.remove(key)
-            if not table.keys:
+            if key in table.row_of:
+                table.remove(key)
+            elif key in table.grams:
+                table.grams.remove(key)
+            else:
+                return False
+            if not table.keys and not len(table.grams):
                 del self._tables[namespace]
             return True
 

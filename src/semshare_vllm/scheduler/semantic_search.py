@@ -58,7 +58,7 @@ class SemanticSearch:
         if reuse_mode(request) in ("off", "exact"):
             return
         namespace = namespace_of(request)
-        if d.index.size(namespace) == 0:
+        if not d.index.has_donors(namespace):
             return  # nothing to find: never make a request wait for an empty namespace
         tokens = list(request.all_token_ids[: request.num_prompt_tokens])
         exact = self.catalog.index.longest_prefix(namespace, tokens)
@@ -201,6 +201,7 @@ class SemanticSearch:
     def embed_donor(self, record: DonorRecord, then=None) -> None:
         """Embed the donor on the discovery thread (``then(embedded)`` runs there after)."""
         if record.serial and record.key in self.catalog.index:
+            self.catalog.index.offer_content(record.key)  # findable by its text at once
             self.discovery.register(record.key, record.serial, record.prompt_token_ids, then)
             self.prepare_alignment(record)
 

@@ -201,6 +201,54 @@ def test_shared_grams_decide_without_embedding():
     assert s.stats.totals["lookups_without_shared_grams"] == 2
 
 
+def test_a_donor_is_found_by_its_text_before_its_embedding_exists():
+    """A donor is offered by its content (sampled 4-grams) from the step it is kept, not only
+    once its embedding is done (5-13 s for a 4K donor on a busy CPU, issue 21): the next turn
+    of a chat, sent at once, finds it."""
+    s, emb = scheduler(min_shared_grams=0.05, gram_match_share=0.5)
+    emb.gate.clear()  # no embedding can finish
+    finish(s, DOC)
+    s.build_connector_meta(None)
+    assert s.stats.totals.get("donors_embedded", 0) == 0
+    assert s.discovery.index.has_donors("") and s.discovery.index.size("") == 0
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])
+    s.on_new_request(target)
+    ask(s, target, timeout_s=2)
+    match = found(s, "t")
+    assert match is not None and match.candidates[0].method == "grams"
+    assert match.candidates[0].score > 0.9
+    # a prompt that shares too little of it is still a miss at once, unembedded
+    unrelated = request("u", list(range(1000, 1200)))
+    s.on_new_request(unrelated)
+    assert ask(s, unrelated, timeout_s=2)[-1] == (0, False) and found(s, "u") is None
+    emb.gate.set()
+    settle(s)  # embedded now: still one donor, offered both ways
+    assert s.stats.totals["donors_embedded"] == 1 and s.discovery.index.size("") == 1
+    again = request("t2", [7, 8, 9] * 5 + DOC[:190])
+    s.on_new_request(again)
+    ask(s, again)
+    assert [c.method for c in found(s, "t2").candidates] == ["grams"]
+
+
+def test_a_donor_gone_before_its_embedding_is_not_offered_by_its_text():
+    per_token = geometry().bytes_per_token
+    s, emb = scheduler(
+        host_store_bytes=300 * per_token, min_shared_grams=0.05, gram_match_share=0.5
+    )
+    emb.gate.clear()
+    finish(s, DOC, outputs=())
+    # two new donors push it out of the store before it was ever embedded
+    finish(s, list(range(1000, 1100)), outputs=())
+    finish(s, list(range(2000, 2100)), outputs=())
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])
+    s.on_new_request(target)
+    ask(s, target, timeout_s=2)
+    assert found(s, "t") is None
+    emb.gate.set()
+    settle(s)
+    assert s.stats.totals.get("donors_embedded", 0) == 2  # the two left, not the evicted one
+
+
 def test_embeddings_come_back_from_the_snapshot(tmp_path):
     import torch
 
