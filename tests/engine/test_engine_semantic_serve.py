@@ -115,10 +115,11 @@ def test_a_long_prompt_at_the_models_context_limit_hits_and_answers_as_cold(mode
     """Issue 21's long prompts, with what users run (vLLM's prefix caching on, its default
     block size, the connector's defaults but the lookup deadline): semshare-bench's first
     cross-instruction pair at SmolLM2's whole context (8K tokens, built to fit it), the same
-    article behind another chat-template instruction. The target is computed cold on the same
-    server first (opted out, under another cache salt: neither vLLM's prefix cache nor a donor
-    can serve it), then served from the donor: the connector claims most of it and the greedy
-    answer starts as cold's."""
+    article behind another chat-template instruction. The target comes as soon as the donor's
+    answer, before the donor's embedding can be done: it is found by its text, the connector
+    claims most of it, and the greedy answer starts as cold's (the target computed on the same
+    server after, opted out under another cache salt: neither vLLM's prefix cache nor a donor
+    serves it)."""
     from semshare_vllm.bench import workloads as W
     from semshare_vllm.testbed.models import context_limit, smollm2_tokenizer
 
@@ -131,11 +132,10 @@ def test_a_long_prompt_at_the_models_context_limit_hits_and_answers_as_cold(mode
     cfg = dict(SEMSHARE, kv_connector_extra_config={"lookup_deadline_ms": 60000})
     with VllmServer(model, cfg, [], tmp_path / "serve.log", max_model_len=limit) as srv:
         srv.complete(donor, max_tokens=1)
-        srv.wait_for_stat("donors_embedded", 1, timeout_s=300)
+        hit = srv.completion_body(target, max_tokens=8)
         cold = srv.completion_body(
             target, max_tokens=8, cache_salt="cold", kv_transfer_params={"semshare": "off"}
         )
-        hit = srv.completion_body(target, max_tokens=8)
     assert cold["usage"]["prompt_tokens"] > 7800
     served = hit["kv_transfer_params"]["semshare_provenance"]
     assert served["served"] == "semantic"
