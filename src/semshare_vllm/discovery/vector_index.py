@@ -146,11 +146,7 @@ class VectorIndex:
         comes (``add_donor``): found by a prompt holding most of them, never by meaning."""
         grams = sample_grams(token_ids)
         with self._lock:
-            table = self._tables.get(namespace)
-            if table is None:
-                table = self._tables[namespace] = _Table(self.dim)
-                if self.kind == "faiss-flat":
-                    table.faiss = self._flat()
+            table = self._table_for(namespace)
             if key not in table.row_of:
                 table.grams.add(key, grams)
 
@@ -165,17 +161,22 @@ class VectorIndex:
         """Add a donor: its vector, SimHash and (optional) sampled 4-grams (``ngrams``)."""
         vector = np.asarray(vector, dtype=np.float32).reshape(self.dim)
         with self._lock:
-            table = self._tables.get(namespace)
-            if table is None:
-                table = self._tables[namespace] = _Table(self.dim)
-                if self.kind == "faiss-flat":
-                    table.faiss = self._flat()
+            table = self._table_for(namespace)
             if key in table.row_of:
                 table.remove(key)
             self._next_id += 1
             table.add(key, vector, fingerprint, self._next_id)
             if grams is not None:
                 table.grams.add(key, grams)
+
+    def _table_for(self, namespace: str) -> _Table:
+        """The namespace's table, made empty if it has none (under the lock)."""
+        table = self._tables.get(namespace)
+        if table is None:
+            table = self._tables[namespace] = _Table(self.dim)
+            if self.kind == "faiss-flat":
+                table.faiss = self._flat()
+        return table
 
     def remove(self, namespace: str, key: Hashable) -> bool:
         """Forget a donor (with a vector, or offered by its grams alone)."""
@@ -202,7 +203,7 @@ class VectorIndex:
         q = np.asarray(vector, dtype=np.float32).reshape(1, self.dim)
         with self._lock:
             table = self._tables.get(namespace)
-            if table is None or k <= 0:
+            if table is None or k <= 0 or len(table) == 0:  # (grams-only donors: no rows)
                 return []
             n = len(table)
             if table.faiss is not None:

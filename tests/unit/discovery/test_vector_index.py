@@ -90,3 +90,25 @@ def test_simhash_near_duplicates():
     index.add("ns", "other", unit(1, seed=3)[0], simhash(other))
     found = index.near_duplicates("ns", simhash(edited), 6)
     assert [c.key for c in found] == ["doc"] and found[0].method == "simhash"
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss-flat"])
+def test_a_donor_offered_by_its_grams_alone(kind):
+    """Before its vector comes, a donor is found by its grams, never by meaning or SimHash;
+    its vector then joins it (one donor); removed either way, its namespace's table goes."""
+    from semshare_vllm.discovery.ngrams import sample_grams
+
+    idx = VectorIndex(dim=8, kind=kind)
+    tokens = list(range(100, 400))
+    idx.add_grams("a", "d", tokens)
+    assert idx.has_donors("a") and idx.size("a") == 0 and not idx.has_donors("b")
+    assert [c.key for c in idx.shared_grams("a", sample_grams(tokens), 3)] == ["d"]
+    assert idx.search("a", np.ones(8), 3) == [] and idx.near_duplicates("a", 0, 64) == []
+    idx.add_donor("a", "d", np.ones(8) / np.sqrt(8), simhash(tokens), tokens)
+    idx.add_grams("a", "d", tokens)  # (already embedded: nothing changes)
+    assert idx.size("a") == 1 and [c.key for c in idx.search("a", np.ones(8), 3)] == ["d"]
+    assert len(idx.shared_grams("a", sample_grams(tokens), 3)) == 1
+    assert idx.remove("a", "d") and not idx.has_donors("a")
+    idx.add_grams("a", "e", tokens)
+    assert idx.remove("a", "e") and not idx.has_donors("a") and not idx.remove("a", "e")
+    assert idx.shared_grams("a", sample_grams(tokens), 3) is None
