@@ -10,7 +10,10 @@ Public entries:
   gather staged donor KV rows, RoPE-correct K, scatter into every layer's paged cache
   (``gather_rearrange_reference`` is the torch version); ``stage_rows(pages, slots, offsets)``
   reads rows out of paged KV into that staging form. ``offsets`` is the caches' ``PageOffsets``,
-  from their layout's spec (``layout.specs``: ``spec.offsets(caches[0])``).
+  from their layout's spec (``layout.specs``: ``spec.offsets(caches[0])``);
+* ``move_aligned_rows(layout, src_pages, src_blocks, dst_pages, dst_blocks, dst_start,
+  donor_pos, table)``: the same move on CPU, page to page through the layout's whole-block
+  reads and writes (bit-identical to the reference, a few times faster there).
 
 The dispatchers run Triton on CUDA tensors, torch otherwise (``impl="torch"`` / ``"triton"``
 forces one; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``, as in the tests). Triton is
@@ -18,6 +21,7 @@ imported only when used.
 """
 
 from .gather_rearrange import gather_rearrange, gather_rearrange_reference, stage_rows
+from .page_move import move_aligned_rows
 from .rope import RopeTable, UnsupportedRope, correct_rope, rope_correct_reference
 
 __all__ = [
@@ -26,6 +30,7 @@ __all__ = [
     "correct_rope",
     "gather_rearrange",
     "gather_rearrange_reference",
+    "move_aligned_rows",
     "rope_correct_reference",
     "stage_rows",
 ]

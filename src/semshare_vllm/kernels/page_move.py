@@ -2,12 +2,14 @@
 re-rotated in between.
 
 ``gather_rearrange`` addresses every element through an int64 offset, which a GPU runs at a
-good share of its bandwidth but this CPU at 2-4 GB/s (docs/benchmarks.md, "Kernels"). Here the
-donor's span is read once per layer through the layout's whole-block reshapes
-(``PageSpec.read_range``), rows are gathered and RoPE-corrected token-major, and the target's
-span is written back the same way (``write_range``): a few bulk copies per layer. Target
-positions without a donor row keep what their pages hold (their span is read first), exactly as
-the element scatter leaves them; the result is bit-identical to ``gather_rearrange_reference``.
+good share of its bandwidth but this CPU at 1-1.5 GB/s for a whole load (docs/benchmarks.md,
+"Kernels"). Here, per layer, the donor's blocks holding the rows are read through the layout's
+whole-block reshapes (``PageSpec.read_blocks``), the rows are gathered (a run: sliced) and
+RoPE-corrected token-major, and the target's blocks are written back whole
+(``write_blocks``). A target block that takes a row at every position is written without
+being read; the others (holes, the span's edges) are read first, so positions that take no row
+are written back as they were, exactly as the element scatter leaves them: the result is
+bit-identical to ``gather_rearrange_reference``.
 """
 
 from __future__ import annotations

@@ -28,9 +28,8 @@ import torch
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
-from semshare_vllm.kernels import gather_rearrange, stage_rows
+from semshare_vllm.kernels import gather_rearrange, move_aligned_rows, stage_rows
 from semshare_vllm.kernels.dispatch import use_triton
-from semshare_vllm.kernels.page_move import move_aligned_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
