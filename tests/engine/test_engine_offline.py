@@ -71,7 +71,11 @@ def worker(llm):
 
 
 def run(llm, prompt, salt=None):
-    return offline.run(llm, prompt, MAX_TOKENS, salt)
+    """Exact-prefix reuse only, as a client asks with ``{"semshare": "exact"}``: a donor is
+    offered by its text from the step it is kept, and a target sharing most of it would
+    otherwise be claimed whole by a semantic hit (on this random model; semantic hits are
+    tested on SmolLM2 in test_engine_semantic*.py)."""
+    return offline.run(llm, prompt, MAX_TOKENS, salt, kv_transfer_params={"semshare": "exact"})
 
 
 def expected_claim(doc_len, prompt_len):

@@ -76,19 +76,34 @@ def scheduler_half(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
 
 
-def run(llm, prompt: list[int], max_tokens: int, salt: str | None = None) -> dict[str, Any]:
-    """One greedy request (token ids), summarised like ``summarize``."""
+def run(
+    llm,
+    prompt: list[int],
+    max_tokens: int,
+    salt: str | None = None,
+    kv_transfer_params: dict | None = None,
+) -> dict[str, Any]:
+    """One greedy request (token ids), summarised like ``summarize``; ``kv_transfer_params``
+    as a client sends them (``{"semshare": "exact"}``: exact-prefix reuse only)."""
     p: dict[str, Any] = {"prompt_token_ids": prompt}
     if salt is not None:
         p["cache_salt"] = salt
-    return summarize(llm.generate([p], greedy(max_tokens), use_tqdm=False))[0]
+    params = greedy(max_tokens, kv_transfer_params=kv_transfer_params)
+    return summarize(llm.generate([p], params, use_tqdm=False))[0]
 
 
-def greedy(max_tokens: int, logprobs: int | None = 1):
+def greedy(max_tokens: int, logprobs: int | None = 1, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
 
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=logprobs,
+        # where vLLM's offline API carries a request's kv_transfer_params
+        extra_args=None
+        if kv_transfer_params is None
+        else {"kv_transfer_params": kv_transfer_params},
     )
 
 
