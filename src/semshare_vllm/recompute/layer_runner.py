@@ -393,7 +393,8 @@ class RecomputeResult:
     positions: np.ndarray  # recomputed through the last layer
     hidden: torch.Tensor | None  # their final hidden states (``final_hidden``)
     # how many positions each layer recomputed (an escalation's second pass through a layer
-    # adds to it), and the time each took (ms, its probe and scoring included)
+    # adds to it), and the time each took (ms, its probe and scoring included; host time: on
+    # CUDA, launches are asynchronous and only the layers that probe wait for the device)
     per_layer: list[int]
     per_layer_ms: list[float] = field(default_factory=list)
 
