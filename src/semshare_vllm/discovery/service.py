@@ -275,7 +275,8 @@ class DiscoveryService:
                         )
                     )
                     return
-            if self._ready_embedder() is None:
+            # no donor there has a vector yet (offered by its grams alone): nothing to embed for
+            if self._ready_embedder() is None or self.index.size(namespace) == 0:
                 future.set_result(Lookup([], None, fingerprint))
                 return
             embedding, embed_ms = self._embed(token_ids)

@@ -43,19 +43,21 @@ def move_aligned_rows(
     # Whole blocks on both sides: partial ones by slot would cost more than the extra rows.
     src_first, src_last = int(rows.min()) // bs, int(rows.max()) // bs
     dst_first, dst_last = int(targets[0]) // bs, int(targets[-1]) // bs
-    src_ids = torch.as_tensor(src_blocks[src_first : src_last + 1], dtype=torch.long)
-    dst_ids = torch.as_tensor(dst_blocks[dst_first : dst_last + 1], dtype=torch.long)
-    pick, place = _index(rows - src_first * bs), _index(targets - dst_first * bs)
+    dev = dst_pages[0].device
+    src_ids = torch.as_tensor(src_blocks[src_first : src_last + 1], dtype=torch.long, device=dev)
+    dst_ids = torch.as_tensor(dst_blocks[dst_first : dst_last + 1], dtype=torch.long, device=dev)
+    pick, place = _index(rows - src_first * bs, dev), _index(targets - dst_first * bs, dev)
     # Target blocks whose every position takes a row are written without being read first;
     # the others (holes, the span's edges) are read, so what takes no row is written back.
     covered = np.zeros((len(dst_ids), bs), dtype=bool)
     covered.flat[targets - dst_first * bs] = True
     partial = np.flatnonzero(~covered.all(axis=1))
-    partial_ids, partial_at = dst_ids[partial], torch.as_tensor(partial)
+    partial_at = torch.as_tensor(partial, device=dev)
+    partial_ids = dst_ids[partial_at]
     delta = None
     if table is not None and not np.array_equal(rows, targets):
+        table = table.to(dev)
         delta = rope_delta(table, torch.as_tensor(rows), torch.as_tensor(targets))
-        table = table.to(delta.cos.device)
     k_dst = v_dst = None
     for src, dst in zip(src_pages, dst_pages):
         k, v = layout.read_blocks(src, src_ids)
@@ -79,13 +81,13 @@ def move_aligned_rows(
         layout.write_blocks(dst, dst_ids, k_dst, v_dst)
 
 
-def _index(values: np.ndarray) -> slice | torch.Tensor:
+def _index(values: np.ndarray, device) -> slice | torch.Tensor:
     """``values`` as a slice where they are consecutive (a run moved whole: no gather), else an
-    index tensor."""
+    index tensor on ``device``."""
     if len(values) and int(values[-1]) - int(values[0]) + 1 == len(values):
         if bool((np.diff(values) == 1).all()):
             return slice(int(values[0]), int(values[-1]) + 1)
-    return torch.as_tensor(values)
+    return torch.as_tensor(values, device=device)
 
 
 def _take(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ import torch
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.kernels import gather_rearrange, move_aligned_rows, stage_rows
-from semshare_vllm.kernels.dispatch import use_triton
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
@@ -43,6 +42,13 @@ from semshare_vllm.worker.reports import WorkerReport
 from semshare_vllm.worker.setup import WorkerKV
 
 logger = logging.getLogger("vllm.semshare.worker")
+
+
+def moves_by_pages(cache: torch.Tensor) -> bool:
+    """Whether semantic loads go page to page through the layout (``kernels.page_move``):
+    on CPU, where the fused kernel's element-wise gather and scatter are slow; elsewhere the
+    fused kernel (Triton on CUDA, its torch reference without Triton)."""
+    return cache.device.type == "cpu"
 
 
 class Loads:
@@ -213,7 +219,9 @@ class Loads:
             return
         if int(donor_pos[aligned].max()) >= donor_tokens:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the alignment")
-        if not use_triton(self.kv.caches[0]):  # CPU: whole pages through the layout
+        if len(donor_pos) > spec.num_tokens:  # never write past the claimed range
+            raise ValueError("the alignment is longer than the claim")
+        if moves_by_pages(self.kv.caches[0]):
             for layers, stack in self.kv.stacks:
                 move_aligned_rows(
                     self.kv.layout,

@@ -217,10 +217,14 @@ def test_a_donor_is_found_by_its_text_before_its_embedding_exists():
     match = found(s, "t")
     assert match is not None and match.candidates[0].method == "grams"
     assert match.candidates[0].score > 0.9
-    # a prompt that shares too little of it is still a miss at once, unembedded
-    unrelated = request("u", list(range(1000, 1200)))
-    s.on_new_request(unrelated)
-    assert ask(s, unrelated, timeout_s=2)[-1] == (0, False) and found(s, "u") is None
+    # a prompt that shares too little of it is still a miss at once, unembedded; so is one
+    # sharing some (under half): only a vector could find it, and no donor has one yet
+    some = [7, 8, 9] * 5 + DOC[50:100] + list(range(900, 1050))  # a quarter of its grams
+    for rid, prompt in (("u", list(range(1000, 1200))), ("p", some)):
+        r = request(rid, prompt)
+        s.on_new_request(r)
+        assert ask(s, r, timeout_s=2)[-1] == (0, False) and found(s, rid) is None
+    assert emb.calls == 0
     emb.gate.set()
     settle(s)  # embedded now: still one donor, offered both ways
     assert s.stats.totals["donors_embedded"] == 1 and s.discovery.index.size("") == 1
@@ -349,7 +353,8 @@ def test_failed_jobs_count_as_discovery_faults_in_the_recorder_handed_in():
     )
     try:
         service.register("donor", 1, DOC)  # its embedding fails
-        failed = service.lookup("", DOC)  # so does the search's
+        service.index.add("", "other", np.ones(VOCAB) / np.sqrt(VOCAB), 0)  # a vector to search
+        failed = service.lookup("", DOC)  # so does the search's embedding
         assert service.run(lambda: 1 / 0).exception(10) is not None
         assert failed.exception(10) is not None
         assert service.wait_idle()

@@ -192,7 +192,7 @@ def test_semantic_load(monkeypatch, backend, layout, dtype, impl, source):
     w, ref = registered(monkeypatch, backend, layout, dtype)
     launches = []
     if impl != "pages":  # the worker moves CPU tensors by pages: make it take the CUDA path
-        monkeypatch.setattr(worker_loads, "use_triton", lambda t, impl="auto": True)
+        monkeypatch.setattr(worker_loads, "moves_by_pages", lambda cache: False)
     if impl == "triton":  # the dispatcher sends CPU tensors to torch: send them to Triton
         from semshare_vllm.kernels import triton_gather
 

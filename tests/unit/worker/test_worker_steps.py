@@ -129,6 +129,29 @@ def test_a_semantic_load_from_the_pool_reads_the_pool_through_its_own_offsets(mo
     w.shutdown()
 
 
+def test_an_alignment_longer_than_its_claim_fails_the_load_and_writes_nothing(monkeypatch):
+    """The CPU page path writes whole target blocks: an alignment reaching past the claimed
+    positions (a planning bug) must not write there; the load fails and vLLM computes."""
+    from semshare_vllm.worker.repair import Repairer
+
+    w = registered_worker(monkeypatch)
+    key = DonorKey("", "d")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
+    )
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"a"})
+    w.kv.repairer = Repairer(None, None, w.kv.layout.offsets(w.kv.caches[0]))
+    before = [c.clone() for c in w.kv.caches]
+    spec = LoadSpec("b", key, 0, 0, 30, [3, 4], donor_pos=list(range(40)))  # 40 for 30
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == {3}  # the claim's block: vLLM computes it
+    assert w.stats.totals["load_failures"] == 1
+    assert all(torch.equal(c, b) for c, b in zip(w.kv.caches, before))
+    w.shutdown()
+
+
 class _FakeRunner:
     """The layer runner's part in a repair, without a model: each of 4 layers shows the
     selection what it measured (relative deviation, squared as the probe measures it, rising
