@@ -23,17 +23,10 @@ def llm(model):
 
 
 def gen(llm, prompt, salt=None, kv=None):
-    from vllm import SamplingParams
-
     request = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    params = SamplingParams(
-        max_tokens=12,
-        temperature=0.0,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": kv} if kv else None,
-    )
+    params = offline.greedy(12, logprobs=None, kv_transfer_params=kv or None)
     out = llm.generate([request], params, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 

@@ -55,17 +55,10 @@ def halves(llm):
 
 
 def gen(llm, prompt, max_tokens=MAX_TOKENS, salt=None, kv=None):
-    from vllm import SamplingParams
-
     request = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": kv} if kv else None,
-    )
+    params = offline.greedy(max_tokens, logprobs=None, kv_transfer_params=kv or None)
     out = llm.generate([request], params, use_tqdm=False)[0]
     return {"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens}
 
@@ -109,7 +102,6 @@ def test_a_failed_load_then_abort_leaves_no_unwritten_kv_for_the_next_request(ll
     """vLLM caches a request's blocks before the worker loads them, and with the connector's
     "recompute" failure policy it keeps them cached for the request to recompute. Here the
     request is aborted first: the same prompt, connector opted out, must get none of them."""
-    from vllm import SamplingParams
 
     sched, worker = halves
     a, b = prompts["fail"]
@@ -124,12 +116,7 @@ def test_a_failed_load_then_abort_leaves_no_unwritten_kv_for_the_next_request(ll
     worker.kv.store.drop(key)  # the donor is gone: its (exact) load fails
     failures = count(halves, "load_failures")
     engine = llm.llm_engine
-    params = SamplingParams(
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": {"semshare": "exact"}},
-    )
+    params = offline.greedy(MAX_TOKENS, logprobs=None, kv_transfer_params={"semshare": "exact"})
     engine.add_request("fails-then-aborts", {"prompt_token_ids": b}, params)
     engine.step()  # claimed, the load fails, vLLM rewinds the request
     assert count(halves, "load_failures") == failures + 1

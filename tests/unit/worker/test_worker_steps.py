@@ -35,6 +35,19 @@ def registered_worker(monkeypatch):
     return w
 
 
+def captured_donor(w) -> DonorKey:
+    """Request "a"'s 40 tokens, in blocks 1 and 2, captured into the host pool and released
+    there (loads then read the pool): the donor's key."""
+    key = DonorKey("", "d")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
+    )
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"a"})
+    return key
+
+
 def test_capture_then_exact_load_then_failed_loads(monkeypatch):
     w = registered_worker(monkeypatch)
     key = DonorKey("", "d")
@@ -104,13 +117,7 @@ def test_a_semantic_load_from_the_pool_reads_the_pool_through_its_own_offsets(mo
     from semshare_vllm.worker.repair import Repairer
 
     w = registered_worker(monkeypatch)
-    key = DonorKey("", "d")
-    w.start_load_kv(
-        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
-    )
-    w.start_captures()
-    w.flush_captures()
-    w.get_finished({"a"})
+    key = captured_donor(w)
     assert w.captures.held(key) is None  # the donor is read from the pool, not its blocks
     assert w.kv.store.pool[0].stride() != w.kv.caches[0].stride()
     # No rotation (same positions) and no repair: only where the rows land is checked.
@@ -135,13 +142,7 @@ def test_an_alignment_longer_than_its_claim_fails_the_load_and_writes_nothing(mo
     from semshare_vllm.worker.repair import Repairer
 
     w = registered_worker(monkeypatch)
-    key = DonorKey("", "d")
-    w.start_load_kv(
-        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
-    )
-    w.start_captures()
-    w.flush_captures()
-    w.get_finished({"a"})
+    key = captured_donor(w)
     w.kv.repairer = Repairer(None, None, w.kv.layout.offsets(w.kv.caches[0]))
     before = [c.clone() for c in w.kv.caches]
     spec = LoadSpec("b", key, 0, 0, 30, [3, 4], donor_pos=list(range(40)))  # 40 for 30
@@ -179,13 +180,7 @@ def repairing_worker(monkeypatch):
 
     w = registered_worker(monkeypatch)
     w.config = w.loads.config = SemShareConfig(recompute_policy="cacheblend", recompute_ratio=0.25)
-    key = DonorKey("", "d")
-    w.start_load_kv(
-        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
-    )
-    w.start_captures()
-    w.flush_captures()
-    w.get_finished({"a"})
+    key = captured_donor(w)
     w.kv.repairer = Repairer(_FakeRunner(), None, w.kv.layout.offsets(w.kv.caches[0]))
     w.build_worker_meta()  # the pool's capacity, reported once
     spec = LoadSpec("b", key, 0, 0, 40, [3, 4], seq=7, policy="cacheblend")
