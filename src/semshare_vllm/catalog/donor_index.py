@@ -166,9 +166,10 @@ class DonorIndex:
         """Make the donor findable by its text (sampled 4-grams) now, before its embedding:
         the next turn of a chat may come sooner than the embedding does."""
         record = self._lru.get(key)
-        if self.vectors is not None and record is not None and not record.demoted:
-            if record.embedding is None:
-                self.vectors.add_grams(key.namespace, key, record.prompt_token_ids)
+        if self.vectors is None or record is None or record.demoted:
+            return
+        if record.embedding is None:  # (embedded: its grams came with its vector)
+            self.vectors.add_grams(key.namespace, key, record.prompt_token_ids)
 
     def set_embedding(
         self, key: DonorKey, serial: int, embedding: "DocumentEmbedding", fingerprint: int
