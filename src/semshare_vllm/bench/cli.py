@@ -13,7 +13,9 @@ fresh ``cache_salt``, so vLLM's own prefix cache does not serve them either.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -232,10 +234,30 @@ def _launched(args: argparse.Namespace) -> int:
         max_model_len = min(max_model_len, limit)
     log = Path(tempfile.mkdtemp(prefix="semshare-bench-")) / "vllm-serve.log"
     print(f"starting vllm serve {model} with the SemShare connector (log: {log})")
-    with VllmServer(model, kv, ["--block-size", "32"], log, max_model_len=max_model_len) as server:
+    with (
+        _terminate_as_exit(),
+        VllmServer(model, kv, ["--block-size", "32"], log, max_model_len=max_model_len) as server,
+    ):
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()
         return bench(args, endpoint, _sizer(args.tokenizer or model))
+
+
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """SIGTERM and SIGHUP end the bench through ``SystemExit``, so that the launched server
+    (in its own session: a terminal's Ctrl-C is not sent to it) is stopped on the way out;
+    their default action would end this process and leave the server running."""
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -272,3 +272,49 @@ def test_a_group_sends_its_donor_then_measures_its_targets(monkeypatch):
     results = measure.run(endpoint, group, 4, noise_floor=False, perplexity=False)
     assert [c[0] for c in endpoint.calls][:1] == ["D"] and waited == [1]
     assert len(results) == 1 and results[0].request.prompt == "P"
+
+
+_TERMINATED_SCRIPT = """
+import os, signal, sys
+from pathlib import Path
+from semshare_vllm.bench import cli
+from semshare_vllm.testbed import server
+
+marker = Path(sys.argv[1])
+
+class Server:  # stands in for vllm serve: what matters is whether stop() runs
+    def __init__(self, *args, **kwargs):
+        self.url, self.served_name = "http://127.0.0.1:9", "model"
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        marker.write_text("stopped")
+
+class Endpoint:
+    def __init__(self, *args):
+        pass
+    def check(self):
+        pass
+
+def bench(*args):  # the bench is running when something (a CI harness, kill) terminates it
+    os.kill(os.getpid(), signal.SIGTERM)
+    return 0
+
+server.VllmServer, cli.Endpoint, cli.bench, cli._sizer = Server, Endpoint, bench, lambda t: None
+sys.exit(cli.main(["--launch", "--model", "m"]))
+"""
+
+
+def test_a_terminated_launched_bench_stops_its_server(tmp_path):
+    """``--launch`` starts ``vllm serve`` in its own session (so a Ctrl-C meant for the bench
+    does not reach it first): a SIGTERM to the bench must still stop it, not leave a server
+    holding the machine's cores and memory (seen: a killed bench left its server running)."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    done = subprocess.run(
+        [sys.executable, "-c", _TERMINATED_SCRIPT, str(marker)], capture_output=True, timeout=120
+    )
+    assert marker.exists(), (done.returncode, done.stderr.decode()[-2000:])
+    assert done.returncode != 0  # it still ends as terminated
