@@ -72,8 +72,6 @@ COUNTERS: dict[str, str] = {
     "recompute_ms": "milliseconds spent recomputing loaded tokens",
     "recompute_gate_checks": "repairs whose error left was measured again at the gate layer "
     "(recompute_policy adaptive)",
-    "recompute_gate_remeasures": "of those, repairs whose gate measured again on a fresh, larger "
-    "sample because one sentinel held most of its estimate (that position is kept recomputed)",
     "recompute_escalated_loads": "of those, repairs the gate found above recompute_error_bound "
     "and widened in the same recompute (more tokens, up to every one)",
     "recompute_escalations": "widenings of those repairs (at most 2 per repair: more tokens, "

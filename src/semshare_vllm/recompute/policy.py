@@ -66,7 +66,6 @@ class Selection:
     """Base: start with ``start``; keep everyone unless a subclass says otherwise."""
 
     escalations = 0  # how many times the selection asked for more in the same recompute
-    remeasures = 0  # how many times a gate measured again before deciding (no more positions)
     declined = False  # it answered ``Decline``
     gate_residual: float | None = None  # the error left a gate measured last (None: no gate)
 
@@ -222,10 +221,6 @@ class Adaptive(Selection):
       to as many positions (in the check layer's order) as leave little enough weight for
       that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
       to every candidate. Without a gate layer, the check layer's choice stands.
-    * Measuring again: where one sentinel holds more than ``DOMINANT`` of the sample's weighted
-      error, the estimate extrapolates one position to every one left. The first time, the
-      gate keeps that position recomputed and measures again on a fresh sample of twice the
-      size (``Escalate`` with the same choice otherwise; ``remeasures``), and decides on that.
     * Decline: a choice that would recompute more than ``decline_share`` of the candidates is
       not run, whether the check layer's first or an escalation's; the load is declined
       (``Decline``) and vLLM computes the prompt, which is cheaper than the runner redoing most
@@ -233,11 +228,6 @@ class Adaptive(Selection):
     """
 
     CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
-    # One sentinel holding more than this share of the sample's weighted error: measured on 20
-    # real 1K targets, such samples (8-30% of draws on documents, ~0 on passage sets)
-    # overestimated the error left by up to 2.5x at p90, the others by at most 0.6x.
-    DOMINANT = 0.4
-    REMEASURE_SENTINELS = 2.0  # the fresh sample's size, in multiples of ``sentinels``
 
     def __init__(
         self,
@@ -269,8 +259,6 @@ class Adaptive(Selection):
         self._kept = np.zeros(0, dtype=np.int64)  # candidate indices recomputed to the end
         self._sentinels = np.zeros(0, dtype=np.int64)  # candidate indices carried to the gate
         self._touched = np.zeros(0, dtype=np.int64)  # recomputed past the check by some pass
-        self._heavy = np.zeros(0, dtype=np.int64)  # candidate indices kept for their deviation
-        self._count = 0  # how many of ``_order`` are kept
 
     def wants_probe(self, layer):
         if layer == self.check_layer and self._passes == 0:
@@ -319,12 +307,10 @@ class Adaptive(Selection):
             return self._decline()
         return self._keep(count)
 
-    def _keep(self, count: int, sentinels: float = 1.0) -> np.ndarray:
-        """Keep ``always``, the first ``count`` of ``_order`` and the positions a gate found
-        heavy (``_heavy``); draw ``sentinels`` times the sentinel share from the rest.
-        Candidate indices that go on past this layer."""
-        self._count = count
-        self._kept = np.union1d(np.union1d(self._forced, self._order[:count]), self._heavy)
+    def _keep(self, count: int) -> np.ndarray:
+        """Keep ``always`` and the first ``count`` of ``_order``; draw the sentinels from the
+        rest. Candidate indices that go on past this layer."""
+        self._kept = np.union1d(self._forced, self._order[:count])
         left = np.ones(len(self.candidates), dtype=bool)
         left[self._kept] = False
         self.residual = float(self._score[left].sum())
@@ -332,8 +318,7 @@ class Adaptive(Selection):
         if self.gate_layer is not None:
             # never one an earlier pass recomputed past the check: its KV there is fresh
             pool = np.setdiff1d(self._order[count:], self._touched)
-            share = self.sentinel_share * sentinels
-            size = min(len(pool), max(int(round(share * len(self.candidates))), 8))
+            size = min(len(pool), max(int(round(self.sentinel_share * len(self.candidates))), 8))
             self._sentinels = np.sort(self._rng.choice(pool, size, replace=False))
         self._touched = np.union1d(self._touched, np.union1d(self._kept, self._sentinels))
         return np.union1d(self._kept, self._sentinels)
@@ -345,24 +330,19 @@ class Adaptive(Selection):
         weight = self._weights(probe.attention)
         sent = np.isin(idx, self._sentinels)
         w_sent = weight[idx[sent]]
-        error = w_sent * dev[sent]  # each sentinel's part of the sample's weighted error
-        mean_dev = float(error.sum() / max(w_sent.sum(), 1e-12))
+        mean_dev = float((w_sent * dev[sent]).sum() / max(w_sent.sum(), 1e-12))
         left = np.ones(len(self.candidates), dtype=bool)
         left[self._kept] = False
         self.gate_residual = float(weight[left].sum() * mean_dev)
         if self.gate_residual <= self.bound:
             self._sentinels = np.zeros(0, dtype=np.int64)
             return np.flatnonzero(np.isin(idx, self._kept))  # the sentinels stop here
-        if self.remeasures == 0 and error.max() > self.DOMINANT * error.sum():
-            self.remeasures += 1
-            self._heavy = idx[sent][error > self.DOMINANT * error.sum()]
-            return Escalate(self._keep(self._count, self.REMEASURE_SENTINELS))
         self.escalations += 1
         if self.escalations == 1 and mean_dev > 0:
             # keep, in the check layer's order, until the weight left times that mean
             # deviation is under the bound
             count = _first_at_most(_left_after(weight[self._order]), self.bound / mean_dev)
-            if count > self._count:
+            if count > len(self._kept) - len(self._forced):
                 if self._too_many(count):
                     return self._decline()
                 return Escalate(self._keep(count))

@@ -85,8 +85,6 @@ def repair(
     gate = selection.gate_residual
     if gate is not None:
         stats.add("recompute_gate_checks")
-    if selection.remeasures:
-        stats.add("recompute_gate_remeasures", selection.remeasures)
     if selection.escalations:
         stats.add("recompute_escalated_loads")
         stats.add("recompute_escalations", selection.escalations)
