@@ -25,7 +25,7 @@ from semshare_vllm.bench.client import Endpoint
 from semshare_vllm.bench.measure import OPT_OUT, measure_target, warm_up
 from semshare_vllm.testbed import models
 from semshare_vllm.testbed.redis_server import RedisServer
-from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer, stop_servers_on_terminate
 
 # Both instances sign their records and readiness marks with this (shared_index_secret).
 SECRET = secrets.token_hex(32)
@@ -162,4 +162,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stop_servers_on_terminate():  # a killed run stops its servers too
+        main()

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from semshare_vllm.testbed import models
-from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer, stop_servers_on_terminate
 from semshare_vllm.testbed.text import wiki_document
 
 Q1 = "\n\nQuestion: What is the text above mainly about? Answer:"
@@ -127,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stop_servers_on_terminate():  # a killed run stops its servers too
+        main()

@@ -58,7 +58,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from semshare_vllm.testbed import models
-from semshare_vllm.testbed.server import SEMSHARE, VllmServer, connector_stats
+from semshare_vllm.testbed.server import (
+    SEMSHARE,
+    VllmServer,
+    connector_stats,
+    stop_servers_on_terminate,
+)
 from semshare_vllm.testbed.text import wiki_extracts
 
 # exact_prefix_ttft.py reads extracts from index 1000 on; this one starts well past them.
@@ -414,4 +419,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stop_servers_on_terminate():  # a killed run stops its servers too
+        main()

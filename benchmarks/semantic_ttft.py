@@ -25,7 +25,7 @@ from pathlib import Path
 
 from semshare_vllm.testbed import models
 from semshare_vllm.testbed.scoring import rouge_l
-from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+from semshare_vllm.testbed.server import SEMSHARE, VllmServer, stop_servers_on_terminate
 from semshare_vllm.testbed.text import wiki_document
 
 HEAD_A = "Read the article below and answer the question after it.\n\n"
@@ -191,4 +191,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stop_servers_on_terminate():  # a killed run stops its servers too
+        main()

@@ -13,9 +13,7 @@ fresh ``cache_salt``, so vLLM's own prefix cache does not serve them either.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -221,7 +219,7 @@ def _sizer(tokenizer: str | None) -> Sizer:
 
 def _launched(args: argparse.Namespace) -> int:
     from semshare_vllm.testbed import models
-    from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+    from semshare_vllm.testbed.server import SEMSHARE, VllmServer, stop_servers_on_terminate
 
     model = args.model or str(models.smollm2())
     kv = dict(SEMSHARE)
@@ -235,29 +233,12 @@ def _launched(args: argparse.Namespace) -> int:
     log = Path(tempfile.mkdtemp(prefix="semshare-bench-")) / "vllm-serve.log"
     print(f"starting vllm serve {model} with the SemShare connector (log: {log})")
     with (
-        _terminate_as_exit(),
+        stop_servers_on_terminate(),
         VllmServer(model, kv, ["--block-size", "32"], log, max_model_len=max_model_len) as server,
     ):
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()
         return bench(args, endpoint, _sizer(args.tokenizer or model))
-
-
-@contextlib.contextmanager
-def _terminate_as_exit():
-    """SIGTERM and SIGHUP end the bench through ``SystemExit``, so that the launched server
-    (in its own session: a terminal's Ctrl-C is not sent to it) is stopped on the way out;
-    their default action would end this process and leave the server running."""
-
-    def leave(signum, frame):
-        raise SystemExit(128 + signum)
-
-    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

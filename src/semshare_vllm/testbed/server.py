@@ -5,6 +5,7 @@ Used by the end-to-end tests, the demo and the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -238,3 +239,21 @@ def connector_stats(log_text: str) -> dict[str, float]:
             except ValueError:
                 pass
     return totals
+
+
+@contextlib.contextmanager
+def stop_servers_on_terminate():
+    """While inside, SIGTERM and SIGHUP end this process through ``SystemExit``, so that the
+    servers it started (each in its own session: a terminal's Ctrl-C is not sent to them) are
+    stopped on the way out; the signals' default action would end it and leave them running.
+    For the bench and the scripts that start servers (main thread only)."""
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
