@@ -3,6 +3,8 @@ run of every workload against a real `vllm serve` with the connector (--launch).
 
 import http.server
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -309,9 +311,6 @@ def test_a_terminated_launched_bench_stops_its_server(tmp_path):
     """``--launch`` starts ``vllm serve`` in its own session (so a Ctrl-C meant for the bench
     does not reach it first): a SIGTERM to the bench must still stop it, not leave a server
     holding the machine's cores and memory (seen: a killed bench left its server running)."""
-    import subprocess
-    import sys
-
     marker = tmp_path / "marker"
     done = subprocess.run(
         [sys.executable, "-c", _TERMINATED_SCRIPT, str(marker)], capture_output=True, timeout=120
