@@ -71,9 +71,10 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         assert hit["gate_residual"] is not None
         assert hit["escalations"] > 0 or hit["gate_residual"] <= 0.02
         # where its time went: held back for its search and alignment (this server's lookup
-        # deadline is long: it waits for both), the worker's load and recompute
+        # deadline is long: it waits for both), the worker's load and recompute (the load:
+        # what the recompute waited for it, beside layer 0 on CPU: it may be all hidden)
         t = hit["timings_ms"]
-        assert t["search"] >= 0 and t["align"] > 0 and t["load"] > 0 and t["recompute"] > 0
+        assert t["search"] >= 0 and t["align"] > 0 and t["load"] >= 0 and t["recompute"] > 0
         # the recompute by layer of the model: layer 0 and the check layer's probe ran every
         # position, the layers after them the kept share
         layers = hit["recompute_layers_ms"]

@@ -158,9 +158,9 @@ def test_recompute_all_over_a_zeroed_donor_equals_cold(llm, worker, cases, refer
     seen = []
     original = worker.kv.repairer.runner.recompute
 
-    def watched(token_ids, block_ids, selection, context=None, final_hidden=False):
+    def watched(token_ids, block_ids, selection, context=None, final_hidden=False, **kw):
         before = [c.clone() for c in worker.kv.caches]
-        result = original(token_ids, block_ids, selection, context, final_hidden)
+        result = original(token_ids, block_ids, selection, context, final_hidden, **kw)
         first = int(selection.start()[0]) // worker.geometry.block_size
         mine = set(block_ids[first : -(-context // worker.geometry.block_size)])
         others = [i for i in range(len(worker.kv.caches[0])) if i not in mine]

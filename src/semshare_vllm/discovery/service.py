@@ -39,6 +39,7 @@ from semshare_vllm.discovery.ngrams import sample_grams
 from semshare_vllm.discovery.simhash import simhash
 from semshare_vllm.discovery.vector_index import Candidate, VectorIndex
 from semshare_vllm.logs import warn_once
+from semshare_vllm.vllm_compat.cpu_binding import run_on_connector_cores
 
 logger = logging.getLogger("vllm.semshare.discovery")
 
@@ -93,6 +94,7 @@ class _JobThread:
         self._thread.join(timeout_s)
 
     def _loop(self, nice: int) -> None:
+        run_on_connector_cores()  # off vLLM-CPU's compute cores (a no-op elsewhere)
         if nice:
             try:  # Linux: PRIO_PROCESS with a thread id sets that thread's niceness only
                 tid = threading.get_native_id()

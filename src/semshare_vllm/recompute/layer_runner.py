@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -269,12 +270,17 @@ class LayerRunner:
         selection: Selection | np.ndarray | list[int],
         context: int | None = None,
         final_hidden: bool = False,
+        donor_kv_ready: tuple[int, Callable[[], bool]] | None = None,
     ) -> RecomputeResult:
         """Recompute a request's positions chosen by ``selection`` (or a fixed list: sorted,
         distinct) layer by layer, attending to positions ``[0, context)`` (default: up to the
         last position). ``token_ids`` holds the request's tokens from position 0; its blocks are
         ``block_ids``. With ``final_hidden``, the positions still recomputed after the last layer
-        come back with their final hidden state (after the model's final norm)."""
+        come back with their final hidden state (after the model's final norm).
+
+        ``donor_kv_ready`` ``(layer, ready)``: the donor KV is still being moved into the blocks
+        (``worker/loads.py``) from ``layer`` on; ``ready()`` is called once, before that layer
+        first runs, and waits for it. False stops the recompute there (``stopped``)."""
         if not isinstance(selection, Selection):
             selection = Fixed(np.asarray(selection, dtype=np.int64))
         start = selection.start()
@@ -294,8 +300,13 @@ class LayerRunner:
         counts, fault = [0] * len(self.layers), None
         spent = [0.0] * len(self.layers)
         entered = None  # (layer, positions, hidden, residual) where the selection narrowed
-        index = 0
+        index, stopped = 0, False
         while index < len(self.layers):
+            if donor_kv_ready is not None and index >= donor_kv_ready[0]:
+                ready, donor_kv_ready = donor_kv_ready[1], None
+                if not ready():
+                    stopped = True
+                    break
             began = time.perf_counter()
             lay = self.layers[index]
             want_dev, want_attn = selection.wants_probe(index)
@@ -354,9 +365,9 @@ class LayerRunner:
         if fault is not None:
             raise RecomputeFault(f"{type(fault).__name__}: {fault}") from fault
         final = None
-        if final_hidden and not selection.declined:
+        if final_hidden and not selection.declined and not stopped:
             final = self.stack.final_norm(hidden, residual)
-        return RecomputeResult(pos_np, final, counts, spent)
+        return RecomputeResult(pos_np, final, counts, spent, stopped)
 
     @staticmethod
     def _probe(
@@ -397,6 +408,7 @@ class RecomputeResult:
     # CUDA, launches are asynchronous and only the layers that probe wait for the device)
     per_layer: list[int]
     per_layer_ms: list[float] = field(default_factory=list)
+    stopped: bool = False  # ``donor_kv_ready`` said the donor KV did not arrive
 
     @property
     def whole_layers_ms(self) -> float:

@@ -205,6 +205,27 @@ class VllmServer:
         resp.raise_for_status()
         return resp.json()["choices"][0]["message"]["content"]
 
+    def thread_cores(self) -> dict[str, list[tuple[bool, frozenset[int]]]]:
+        """Per process of the server (by its name: "VLLM::Worker", "VLLM::EngineCor", ...),
+        each thread's allowed CPUs, and whether it is the process's main thread (Linux)."""
+        out: dict[str, list[tuple[bool, frozenset[int]]]] = {}
+        pgid = os.getpgid(self.proc.pid)
+        for proc in Path("/proc").iterdir():
+            try:
+                if not proc.name.isdigit() or os.getpgid(int(proc.name)) != pgid:
+                    continue
+                name = (proc / "comm").read_text().strip()
+                tasks = list((proc / "task").iterdir())
+            except OSError:  # gone meanwhile
+                continue
+            for task in tasks:
+                try:
+                    cores = os.sched_getaffinity(int(task.name))
+                except OSError:  # a thread that ended meanwhile
+                    continue
+                out.setdefault(name, []).append((task.name == proc.name, frozenset(cores)))
+        return out
+
     def connector_stats(self) -> dict[str, float]:
         """The connector's counters so far, summed over the log (see ``connector_stats``)."""
         return connector_stats(self.log_text())

@@ -158,6 +158,7 @@ class SemShareWorker:
         self._closed = True
         self.flush_captures()
         self.captures.close()
+        self.loads.close()
         if self.kv is not None:
             if self.kv.tier is not None:
                 self.kv.tier.close()

@@ -9,19 +9,26 @@ when only that holds it.
 A load that cannot be done reports its blocks through ``get_block_ids_with_load_errors``, so
 vLLM recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
 
+On CPU a semantic load's move runs on a side thread (off the forward pass's cores) while the
+repair recomputes layer 0, which recomputes every loaded position and reads no donor KV; the
+repair waits for the move before layer 1 (``_load_overlapped``).
+
 Under tensor parallelism every worker runs the same loads, in the same order, each over its own
 KV heads. The ranks agree twice per load (``vllm_compat.tensor_parallel.all_agree``): after the
 copy and the repair's plan (all that can fail before the repair's first collective), and after
-the repair. A load or repair that failed on one rank is failed on all of them, so every rank
+the repair; three times where the move runs beside layer 0 (after the plan, after the move,
+after the repair). A load or repair that failed on one rank is failed on all of them, so every rank
 reports the same blocks and none starts a repair (whose layers run collectives) that another
 skipped. Each step that can fail on one rank only is caught on that rank first, so that every
-rank always reaches both agreements.
+rank always reaches every agreement.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +42,7 @@ from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
+from semshare_vllm.vllm_compat.cpu_binding import run_on_connector_cores
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.repair import plan_repair, repair
@@ -69,10 +77,17 @@ class Loads:
         self.kv, self.off, self.captures = kv, off, captures
         self.config, self._vllm_config = config, vllm_config
         self.stats, self.report = stats, report
+        # moves the donor KV beside the recompute (``_load_overlapped``), off the forward
+        # pass's cores (on vLLM-CPU; a no-op elsewhere)
+        self._side = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="semshare-load", initializer=run_on_connector_cores
+        )
 
     def load(self, spec: LoadSpec) -> None:
         """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
         either failed, here or on another tensor-parallel rank."""
+        if self._overlaps(spec):
+            return self._load_overlapped(spec)
         load_ms = self._load_here(spec)
         here, selection, figures = load_ms is not None, None, None
         if here and spec.policy != "none":
@@ -87,6 +102,57 @@ class Loads:
             # failure
             here = figures is not None and not figures.declined
             agreed = tensor_parallel.all_agree(here)
+        self._settle(spec, here, agreed, figures)
+
+    def _overlaps(self, spec: LoadSpec) -> bool:
+        """Whether the donor KV is moved beside the recompute's first layer: semantic loads
+        repaired on CPU, where the move is a host copy a spare core can run (on CUDA it is one
+        kernel on the compute stream). Every tensor-parallel rank answers alike (the spec and
+        the device), so every rank takes the same path and the same collectives."""
+        return (
+            self.kv is not None
+            and self.kv.repairer is not None
+            and spec.donor_pos is not None
+            and spec.policy != "none"
+            and moves_by_pages(self.kv.caches[0])
+        )
+
+    def _load_overlapped(self, spec: LoadSpec) -> None:
+        """Plan the repair, agree on it, then move the donor KV on the side thread while the
+        recompute runs the layers that do not read it (layer 0 recomputes every loaded
+        position: ``first_donor_layer``); before the first that does, wait for the move and
+        agree on it. Three agreements, in this order on every rank."""
+        selection = self._plan_repair(spec)
+        if not tensor_parallel.all_agree(selection is not None):
+            self._settle(spec, selection is not None, False, None)
+            return
+        first = first_donor_layer(spec, selection)
+        t0 = time.perf_counter()
+        source = self._source_of(spec)  # here: the tier's fetch, the captures' table
+        moving = None if source is None else self._side.submit(self._move, spec, source, first)
+        source_ms = (time.perf_counter() - t0) * 1e3
+        move: dict = {}
+
+        def donor_kv_ready() -> bool:
+            """Once, on this thread: the move waited for and counted, and agreed on."""
+            if "agreed" not in move:
+                waited = time.perf_counter()
+                ms = None if moving is None else self._moved(spec, source, *moving.result())
+                move["here"] = ms is not None
+                move["exposed_ms"] = source_ms + (time.perf_counter() - waited) * 1e3
+                move["agreed"] = tensor_parallel.all_agree(ms is not None)
+            return move["agreed"]
+
+        figures = self._repair_here(spec, selection, (first, donor_kv_ready))
+        donor_kv_ready()  # a recompute that ended before that layer: the agreement is every rank's
+        if figures is not None:
+            figures.load_ms = move["exposed_ms"]  # what the request waited for the move
+        here = figures is not None and not figures.declined
+        agreed = tensor_parallel.all_agree(here)
+        # a move that failed only elsewhere stopped this rank's repair: a peer's failure
+        self._settle(spec, here or (move["here"] and not move["agreed"]), agreed, figures)
+
+    def _settle(self, spec: LoadSpec, here: bool, agreed: bool, figures) -> None:
         if not agreed:
             if here:  # only another rank failed: this one's KV is fine, but theirs is not
                 self.stats.add("tp_peer_failures")
@@ -103,13 +169,26 @@ class Loads:
         return plan_repair(self.kv.repairer, spec, self.config, self.stats)
 
     @guarded("repairing a load", None)
-    def _repair_here(self, spec: LoadSpec, selection: Selection) -> RepairReport | None:
-        return repair(self.kv.repairer, spec, selection, self.stats)
+    def _repair_here(
+        self, spec: LoadSpec, selection: Selection, donor_kv_ready=None
+    ) -> RepairReport | None:
+        return repair(self.kv.repairer, spec, selection, self.stats, donor_kv_ready)
 
     @guarded("loading a donor", None)
     def _load_here(self, spec: LoadSpec) -> float | None:
         """This rank's copy, and how long it took (ms); None where it failed (the fault logged
         and counted). Never raises: every rank must go on to the agreement."""
+        t0 = time.perf_counter()
+        source = self._source_of(spec)
+        if source is None:
+            return None
+        ms, exc = self._move(spec, source)
+        return self._moved(spec, source, (time.perf_counter() - t0) * 1e3, exc)
+
+    def _source_of(self, spec: LoadSpec) -> _Source | None:
+        """Where the donor is read from (its own blocks while it is being captured, the host
+        store, the LMCache tier fetched into the store), resolved on the worker's thread; None
+        where it cannot be loaded (logged and counted)."""
         if spec.mark_logprobs_until and not mark_served_rows(
             model_hook.loaded_runner(self._vllm_config), spec.req_id, spec.mark_logprobs_until
         ):
@@ -122,38 +201,62 @@ class Loads:
             )
             self.stats.add("load_failures")
             return None
-        t0 = time.perf_counter()
         try:
             if self.kv is None:
                 raise DonorUnavailable(self.off)
             held = self.captures.held(spec.key)
             if held is not None:  # still in its own blocks: copy block to block
-                donor_tokens, donor_blocks = len(held.token_ids), held.block_ids
-            else:
-                donor_blocks = self._donor_blocks(spec)
-                donor_tokens = len(donor_blocks) * self.kv.block_size
-            if spec.donor_pos is not None:
-                self._move_aligned(spec, donor_blocks, donor_tokens, held is not None)
-            else:
-                self._copy_exact(spec, donor_blocks, donor_tokens, held is not None)
+                return _Source(held.block_ids, len(held.token_ids), True)
+            donor_blocks = self._donor_blocks(spec)
+            return _Source(donor_blocks, len(donor_blocks) * self.kv.block_size, False)
         except Exception as exc:
-            warn_once(
-                logger,
-                "load",
-                "SemShare: loading donor %s for request %s failed (%s); its tokens are recomputed",
-                spec.key.donor_id,
-                spec.req_id,
-                exc,
-            )
-            self.report.bad_donors.append(spec.key)
-            self.stats.add("load_failures")
+            self._failed(spec, exc)
+            return None
+
+    def _move(
+        self, spec: LoadSpec, source: _Source, from_layer: int = 0
+    ) -> tuple[float, Exception | None]:
+        """Move the donor KV of layers ``from_layer`` on into the request's blocks: how long it
+        took (ms), and what failed. Touches only the caches (it may run on the side thread)."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if spec.donor_pos is not None:
+                    self._move_aligned(spec, source, from_layer)
+                else:
+                    self._copy_exact(spec, source, from_layer)
+        except Exception as exc:
+            return (time.perf_counter() - t0) * 1e3, exc
+        return (time.perf_counter() - t0) * 1e3, None
+
+    def _moved(
+        self, spec: LoadSpec, source: _Source, ms: float, exc: Exception | None
+    ) -> float | None:
+        """A move's outcome counted (on the worker's thread): its time, or None where it
+        failed."""
+        if exc is not None:
+            self._failed(spec, exc)
             return None
         self.stats.add("loaded_tokens", spec.num_tokens)
-        if held is not None:
+        if source.from_cache:
             self.stats.add("block_copied_tokens", spec.num_tokens)
-        ms = (time.perf_counter() - t0) * 1e3
         self.stats.add("load_ms", ms)
         return ms
+
+    def _failed(self, spec: LoadSpec, exc: Exception) -> None:
+        warn_once(
+            logger,
+            "load",
+            "SemShare: loading donor %s for request %s failed (%s); its tokens are recomputed",
+            spec.key.donor_id,
+            spec.req_id,
+            exc,
+        )
+        self.report.bad_donors.append(spec.key)
+        self.stats.add("load_failures")
+
+    def close(self) -> None:
+        self._side.shutdown(wait=True)
 
     def restart_logprobs(self, req_id: str) -> None:
         """A load that marked ``req_id``'s prompt-logprob rows failed (here or on another
@@ -186,26 +289,29 @@ class Loads:
                 raise
         return self.kv.tier.fetch(spec, self.kv.store)
 
-    def _copy_exact(
-        self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int, from_cache: bool
-    ) -> None:
-        if donor_tokens < spec.src_start + spec.num_tokens:
-            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+    def _stacks(self, source: _Source, from_layer: int):
+        """(donor pages, request pages) per stack of layers, from layer ``from_layer`` on."""
         for layers, stack in self.kv.stacks:
-            src = stack if from_cache else self.kv.store.pool[layers]
+            skip = max(0, from_layer - layers.start)
+            if skip < stack.shape[0]:
+                src = stack if source.from_cache else self.kv.store.pool[layers]
+                yield src[skip:], stack[skip:]
+
+    def _copy_exact(self, spec: LoadSpec, source: _Source, from_layer: int = 0) -> None:
+        if source.tokens < spec.src_start + spec.num_tokens:
+            raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the claim")
+        for src, dst in self._stacks(source, from_layer):
             self.kv.layout.copy_tokens(
                 src,
-                donor_blocks,
+                source.blocks,
                 spec.src_start,
-                stack,
+                dst,
                 spec.block_ids,
                 spec.dst_start,
                 spec.num_tokens,
             )
 
-    def _move_aligned(
-        self, spec: LoadSpec, donor_blocks: list[int], donor_tokens: int, from_cache: bool
-    ) -> None:
+    def _move_aligned(self, spec: LoadSpec, source: _Source, from_layer: int = 0) -> None:
         """Semantic load: each aligned position takes its donor row, K RoPE-corrected from the
         donor's position to its own (on CUDA ``kernels.gather_rearrange``, on CPU whole pages
         through the layout, ``kernels.page_move``); unaligned positions are left for the
@@ -217,17 +323,17 @@ class Loads:
         aligned = np.flatnonzero(donor_pos >= 0)
         if not len(aligned):
             return
-        if int(donor_pos[aligned].max()) >= donor_tokens:
+        if int(donor_pos[aligned].max()) >= source.tokens:
             raise DonorUnavailable(f"donor {spec.key.donor_id} is shorter than the alignment")
         if len(donor_pos) > spec.num_tokens:  # never write past the claimed range
             raise ValueError("the alignment is longer than the claim")
         if moves_by_pages(self.kv.caches[0]):
-            for layers, stack in self.kv.stacks:
+            for src, dst in self._stacks(source, from_layer):
                 move_aligned_rows(
                     self.kv.layout,
-                    stack if from_cache else self.kv.store.pool[layers],
-                    donor_blocks,
-                    stack,
+                    src,
+                    source.blocks,
+                    dst,
                     spec.block_ids,
                     spec.dst_start,
                     donor_pos,
@@ -236,15 +342,14 @@ class Loads:
             return
         rows, src_rows = np.unique(donor_pos[aligned], return_inverse=True)
         bs = self.kv.block_size
-        donor_slots = slots_for(donor_blocks, 0, int(rows[-1]) + 1, bs)[rows]
+        donor_slots = slots_for(source.blocks, 0, int(rows[-1]) + 1, bs)[rows]
         target_pos = spec.dst_start + aligned
         dst_slots = slots_for(spec.block_ids, 0, spec.dst_start + spec.num_tokens, bs)[target_pos]
         src = torch.as_tensor(src_rows)
         # The donor's pages are read through their own offsets: the pool is contiguous, the
         # paged cache may be stride-permuted (vLLM's default GPU layout).
-        src_offsets = repairer.offsets if from_cache else self.kv.store.offsets
-        for layers, stack in self.kv.stacks:
-            pages = stack if from_cache else self.kv.store.pool[layers]
+        src_offsets = repairer.offsets if source.from_cache else self.kv.store.offsets
+        for pages, stack in self._stacks(source, from_layer):
             staged = stage_rows(pages, donor_slots, src_offsets)  # [layers, rows, H, 2D]
             gather_rearrange(
                 staged,
@@ -256,3 +361,20 @@ class Loads:
                 torch.as_tensor(rows)[src],
                 torch.as_tensor(target_pos),
             )
+
+
+@dataclass
+class _Source:
+    """Where a load reads its donor, resolved on the worker's thread."""
+
+    blocks: list[int]  # the donor's blocks: in the host store's pool, or its own
+    tokens: int  # positions they hold
+    from_cache: bool  # its own blocks in vLLM's paged cache (still being captured)
+
+
+def first_donor_layer(spec: LoadSpec, selection: Selection) -> int:
+    """The first layer whose recompute reads the donor KV: 1 where layer 0 recomputes every
+    loaded position and measures nothing against the donor there (so its donor KV is never
+    read, nor moved), else 0."""
+    whole = len(selection.start()) == spec.num_tokens
+    return 1 if whole and not selection.wants_probe(0)[0] else 0

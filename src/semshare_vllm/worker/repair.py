@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -65,19 +66,42 @@ def plan_repair(
 
 
 def repair(
-    repairer: Repairer, spec: LoadSpec, selection: Selection, stats: StatsRecorder
+    repairer: Repairer,
+    spec: LoadSpec,
+    selection: Selection,
+    stats: StatsRecorder,
+    donor_kv_ready: tuple[int, Callable[[], bool]] | None = None,
 ) -> RepairReport | None:
     """Recompute what ``selection`` picks of the loaded range, in place in its blocks: what it
     did, or None where it failed (the loaded range must then be reported failed, as where the
     selection declined: ``RepairReport.declined``). The caller reports the figures once every
-    rank's repair succeeded or declined (``WorkerReport.repaired``)."""
-    t0 = time.perf_counter()
+    rank's repair succeeded or declined (``WorkerReport.repaired``). ``donor_kv_ready``: the
+    layer runner's, where the donor KV is still being moved (``LayerRunner.recompute``)."""
+    t0, waited = time.perf_counter(), 0.0
+    if donor_kv_ready is not None:  # its wait is the load's part of the time, not the recompute's
+        layer, ready = donor_kv_ready
+
+        def timed_ready() -> bool:
+            nonlocal waited
+            began = time.perf_counter()
+            try:
+                return ready()
+            finally:
+                waited += time.perf_counter() - began
+
+        donor_kv_ready = (layer, timed_ready)
     try:
         result = repairer.runner.recompute(
-            spec.token_ids, spec.block_ids, selection, context=spec.dst_start + spec.num_tokens
+            spec.token_ids,
+            spec.block_ids,
+            selection,
+            context=spec.dst_start + spec.num_tokens,
+            donor_kv_ready=donor_kv_ready,
         )
     except Exception as exc:
         _failed(spec, exc, stats)
+        return None
+    if result.stopped:  # the move failed (counted and logged where it did), here or elsewhere
         return None
     if spec.donor_pos is not None and selection.measured is not None:
         stats.add("deviation_sum", selection.measured)
@@ -92,7 +116,7 @@ def repair(
         stats.add("recompute_declined")
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
-    recompute_ms = (time.perf_counter() - t0) * 1e3
+    recompute_ms = (time.perf_counter() - t0 - waited) * 1e3
     stats.add("recompute_ms", recompute_ms)
     # one count per layer of the model (an empty selection: none, nothing redone); an
     # escalation's second pass through some layers counts there too

