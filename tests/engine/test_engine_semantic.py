@@ -105,13 +105,21 @@ def totals(sched, worker):
 
 
 def test_semantic_hit_reuses_most_of_the_prompt_and_answers_as_cold(
-    llm, sched, worker, prompts, reference
+    llm, sched, worker, prompts, reference, monkeypatch
 ):
     run(llm, prompts["a"])
     donor_ready(llm, sched, worker, prompts["c"])
     assert sched.recompute_ready
+    waits, recompute = [], worker.kv.repairer.runner.recompute
+
+    def watched(*args, **kw):
+        waits.append(kw.get("donor_kv_ready") and kw["donor_kv_ready"][0])
+        return recompute(*args, **kw)
+
+    monkeypatch.setattr(worker.kv.repairer.runner, "recompute", watched)
     before = totals(sched, worker)
     out = run(llm, prompts["b"])
+    assert waits == [1]  # on CPU the move ran beside layer 0, waited for before layer 1
     after = totals(sched, worker)
     claimed = after["hit_tokens"] - before.get("hit_tokens", 0)
     assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1

@@ -155,9 +155,9 @@ def worker(rank: int, **config):
     return w
 
 
-def _load_once(rank: int, policy: str, before_load=None, **config) -> dict:
-    """Capture a donor, then load it into other blocks under ``policy``: what this rank
-    recomputed and reports."""
+def _load_once(rank: int, policy: str, before_load=None, donor_pos=None, **config) -> dict:
+    """Capture a donor, then load it into other blocks under ``policy`` (a semantic load where
+    ``donor_pos`` is given): what this rank recomputed and reports."""
     from semshare_vllm.core.keys import DonorKey
     from semshare_vllm.metadata import CaptureSpec, LoadSpec, SemShareConnectorMetadata
 
@@ -171,7 +171,9 @@ def _load_once(rank: int, policy: str, before_load=None, **config) -> dict:
     if before_load is not None:
         before_load(w)
     worker_rpc.take_recomputes(None)
-    spec = LoadSpec("b", key, 0, 0, TOKENS, TARGET_BLOCKS, policy=policy, token_ids=ids)
+    spec = LoadSpec(
+        "b", key, 0, 0, TOKENS, TARGET_BLOCKS, policy=policy, token_ids=ids, donor_pos=donor_pos
+    )
     t0 = time.monotonic()
     w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
     out = {
@@ -242,6 +244,22 @@ def _attention_fails_on_rank0(rank: int) -> dict:
         return _load_once(rank, "cacheblend")
 
 
+def _semantic(rank: int, **config) -> dict:
+    """A semantic load (each position its donor's), check layer 1: on CPU its move runs beside
+    layer 0 and the ranks agree on it before layer 1."""
+    return _load_once(
+        rank, "cacheblend", donor_pos=list(range(TOKENS)), recompute_check_layer=1, **config
+    )
+
+
+def _semantic_move_fails_on_rank0(rank: int) -> dict:
+    """Rank 0's move fails on its side thread while both ranks run layer 0."""
+    from semshare_vllm.worker import loads
+
+    with _on_rank0(loads, "move_aligned_rows", _boom("move")):
+        return _semantic(rank)
+
+
 def _rank() -> int:
     from semshare_vllm.vllm_compat import tensor_parallel
 
@@ -272,5 +290,7 @@ SCENARIOS = {
         rank, "cacheblend", _drop_donor_on_rank0
     ),
     "selection_fails_on_rank0": _selection_fails_on_rank0,
+    "semantic": _semantic,
+    "semantic_move_fails_on_rank0": _semantic_move_fails_on_rank0,
     "attention_fails_on_rank0": _attention_fails_on_rank0,
 }

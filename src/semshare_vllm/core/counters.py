@@ -123,8 +123,9 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         _MS_BUCKETS,
     ),
     "served_load_ms": (
-        "per repaired semantic hit: milliseconds the worker took to move the donor KV into "
-        "its blocks (RoPE-corrected)",
+        "per repaired semantic hit: milliseconds the worker spent moving the donor KV into "
+        "its blocks (RoPE-corrected); where the move runs beside the recompute's layer 0 "
+        "(CPU), what the recompute waited for it",
         _MS_BUCKETS,
     ),
     "served_recompute_ms": (

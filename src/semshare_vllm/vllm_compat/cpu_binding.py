@@ -32,10 +32,9 @@ def connector_cores() -> frozenset[int]:
 
         if not current_platform.is_cpu():
             return frozenset()
-        groups = current_platform.discover_numa_topology()
+        return frozenset(max(group) for group in current_platform.discover_numa_topology() if group)
     except Exception:  # another vLLM, no /sys: leave threads where they are
         return frozenset()
-    return frozenset(max(group) for group in groups if group)
 
 
 def run_on_connector_cores() -> None:
@@ -48,14 +47,15 @@ def run_on_connector_cores() -> None:
     try:
         if os.sched_getaffinity(0) != cores:
             os.sched_setaffinity(0, cores)  # pid 0: this thread, on Linux
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001  (an executor's initializer must not raise)
         logger.debug("SemShare: thread left on its cores (%s)", exc)
         return
-    # A torch op in this thread would start a team of the worker's OpenMP size, whose threads
-    # OpenMP binds to the worker's places: the compute cores. The limit is this thread's only.
+    # A torch op in this thread would start a team of the worker's OpenMP size, whose extra
+    # threads OpenMP binds to the worker's places (the compute cores): one thread, this one.
+    # The limit is this thread's only.
     try:
         from threadpoolctl import threadpool_limits
 
-        threadpool_limits(limits=len(cores), user_api="openmp")
+        threadpool_limits(limits=1, user_api="openmp")
     except Exception as exc:  # noqa: BLE001  (no threadpoolctl, an OpenMP it cannot drive)
         logger.debug("SemShare: OpenMP teams of a connector thread left as they are (%s)", exc)

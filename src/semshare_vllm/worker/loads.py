@@ -10,8 +10,9 @@ A load that cannot be done reports its blocks through ``get_block_ids_with_load_
 vLLM recomputes them (the connector runs with ``kv_load_failure_policy="recompute"``).
 
 On CPU a semantic load's move runs on a side thread (off the forward pass's cores) while the
-repair recomputes layer 0, which recomputes every loaded position and reads no donor KV; the
-repair waits for the move before layer 1 (``_load_overlapped``).
+repair runs the layers that read no donor KV (layer 0, where it recomputes every loaded
+position and measures nothing there: every policy but "semsharekv"); the repair waits for the
+move before the first layer that does (``_load_overlapped``).
 
 Under tensor parallelism every worker runs the same loads, in the same order, each over its own
 KV heads. The ranks agree twice per load (``vllm_compat.tensor_parallel.all_agree``): after the
@@ -115,6 +116,8 @@ class Loads:
             and spec.donor_pos is not None
             and spec.policy != "none"
             and moves_by_pages(self.kv.caches[0])
+            # the move skips the first cache as layer 0's: it must be the runner's layer 0
+            and getattr(self.kv.repairer.runner.layers[0], "cache", None) is self.kv.caches[0]
         )
 
     def _load_overlapped(self, spec: LoadSpec) -> None:
@@ -126,21 +129,26 @@ class Loads:
         if not tensor_parallel.all_agree(selection is not None):
             self._settle(spec, selection is not None, False, None)
             return
-        first = first_donor_layer(spec, selection)
         t0 = time.perf_counter()
-        source = self._source_of(spec)  # here: the tier's fetch, the captures' table
-        moving = None if source is None else self._side.submit(self._move, spec, source, first)
+        first, source, moving = self._start_move(spec, selection)
         source_ms = (time.perf_counter() - t0) * 1e3
-        move: dict = {}
+        move = {"here": False, "exposed_ms": source_ms}
 
         def donor_kv_ready() -> bool:
-            """Once, on this thread: the move waited for and counted, and agreed on."""
-            if "agreed" not in move:
-                waited = time.perf_counter()
+            """Once, on this thread, whatever fails: the move waited for, counted and agreed
+            on (the agreement is a collective: every rank makes it exactly once)."""
+            if "agreed" in move:
+                return move["agreed"]
+            move["agreed"] = False
+            waited = time.perf_counter()
+            try:
                 ms = None if moving is None else self._moved(spec, source, *moving.result())
-                move["here"] = ms is not None
-                move["exposed_ms"] = source_ms + (time.perf_counter() - waited) * 1e3
-                move["agreed"] = tensor_parallel.all_agree(ms is not None)
+            except Exception as exc:  # noqa: BLE001  (the agreement below must still happen)
+                self._failed(spec, exc)
+                ms = None
+            move["here"] = ms is not None
+            move["agreed"] = tensor_parallel.all_agree(ms is not None)
+            move["exposed_ms"] = source_ms + (time.perf_counter() - waited) * 1e3
             return move["agreed"]
 
         figures = self._repair_here(spec, selection, (first, donor_kv_ready))
@@ -151,6 +159,20 @@ class Loads:
         agreed = tensor_parallel.all_agree(here)
         # a move that failed only elsewhere stopped this rank's repair: a peer's failure
         self._settle(spec, here or (move["here"] and not move["agreed"]), agreed, figures)
+
+    def _start_move(self, spec: LoadSpec, selection: Selection):
+        """(first layer moved, the donor's source, the move's future); the future None where
+        the move could not start (logged and counted): the agreement then fails it on every
+        rank. Never raises, so that this rank reaches that agreement."""
+        try:
+            first = first_donor_layer(spec, selection)
+            source = self._source_of(spec)  # here: the tier's fetch, the captures' table
+            if source is None:
+                return first, None, None
+            return first, source, self._side.submit(self._move, spec, source, first)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(spec, exc)
+            return 1, None, None
 
     def _settle(self, spec: LoadSpec, here: bool, agreed: bool, figures) -> None:
         if not agreed:

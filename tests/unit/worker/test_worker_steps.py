@@ -247,8 +247,11 @@ def test_the_prompt_logprob_rows_of_a_failed_load_are_restarted_before_the_step(
 def semantic_repair(monkeypatch, donor_pos):
     """``repairing_worker``'s load as a semantic one (no rotation: ``rope`` None): on CPU its
     move runs beside the recompute."""
+    from types import SimpleNamespace
+
     w, spec = repairing_worker(monkeypatch)
     spec.donor_pos = donor_pos
+    w.kv.repairer.runner.layers = [SimpleNamespace(cache=w.kv.caches[0])] + [None] * 3
     before = [c.clone() for c in w.kv.caches]
     return w, spec, before
 

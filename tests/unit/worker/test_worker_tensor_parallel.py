@@ -69,3 +69,23 @@ def test_a_repair_that_failed_on_one_rank_fails_on_both(pair, scenario):
     assert r0["stats"].get("recompute_failures") == 1
     assert "recompute_failures" not in r1["stats"]
     assert r0["invalid"] == r1["invalid"] == TARGET_BLOCKS
+
+
+def test_a_semantic_load_moved_beside_layer_0_is_repaired_alike(pair):
+    """On CPU the move runs beside layer 0 and the ranks agree on it before layer 1 (three
+    agreements): both repair, the same positions."""
+    r0, r1 = pair.run("semantic")
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["invalid"] == r1["invalid"] == []
+    (a,), (b,) = r0["recomputes"], r1["recomputes"]
+    assert a == b and 0 < len(a["positions"]) < a["per_layer"][0]
+
+
+def test_a_move_that_failed_on_one_rank_stops_both_before_layer_1(pair):
+    r0, r1 = pair.run("semantic_move_fails_on_rank0")
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["invalid"] == r1["invalid"] == TARGET_BLOCKS
+    assert r0["stats"]["load_failures"] == 1 and "load_failures" not in r1["stats"]
+    assert r1["stats"]["tp_peer_failures"] == 1 and "tp_peer_failures" not in r0["stats"]
+    (a,), (b,) = r0["recomputes"], r1["recomputes"]
+    assert a["per_layer"][1:] == b["per_layer"][1:] == [0]  # layer 0 only, on both
