@@ -164,6 +164,7 @@ class Loads:
         """(first layer moved, the donor's source, the move's future); the future None where
         the move could not start (logged and counted): the agreement then fails it on every
         rank. Never raises, so that this rank reaches that agreement."""
+        first = 0  # (what every rank uses if this fails: it reads only the spec and selection)
         try:
             first = first_donor_layer(spec, selection)
             source = self._source_of(spec)  # here: the tier's fetch, the captures' table
@@ -172,7 +173,7 @@ class Loads:
             return first, source, self._side.submit(self._move, spec, source, first)
         except Exception as exc:  # noqa: BLE001
             self._failed(spec, exc)
-            return 1, None, None
+            return first, None, None
 
     def _settle(self, spec: LoadSpec, here: bool, agreed: bool, figures) -> None:
         if not agreed:
