@@ -205,7 +205,7 @@ class Loads:
         source = self._source_of(spec)
         if source is None:
             return None
-        ms, exc = self._move(spec, source)
+        _, exc = self._move(spec, source)  # (timed here with finding the source)
         return self._moved(spec, source, (time.perf_counter() - t0) * 1e3, exc)
 
     def _source_of(self, spec: LoadSpec) -> _Source | None:
