@@ -62,7 +62,9 @@ class DiscoveryConfig(Section):
         "How long a new request may wait for its donor search (vLLM re-asks; the request "
         "is not scheduled meanwhile). Past it, the request proceeds without a semantic donor "
         "(counted as lookup_timeouts). A request never waits when its namespace has no donors "
-        "or the exact prefix already covers it.",
+        "or the exact prefix already covers it. A prompt too long to embed within it (at the "
+        "embedder's measured speed) is not embedded for its search (counted as "
+        "lookups_too_long_to_embed).",
         minimum=0,
     )
     index_kind: str = knob(

@@ -24,6 +24,9 @@ COUNTERS: dict[str, str] = {
     "semantic_misses": "searches that finished and found none",
     "lookups_without_shared_grams": "of those, answered at once: no donor shares enough token "
     "4-grams to be aligned (lookup_min_shared_grams)",
+    "lookups_too_long_to_embed": "of those, answered at once: the prompt could not be embedded "
+    "by lookup_deadline_ms at the embedder's measured speed, and no donor shares half of its "
+    "token 4-grams",
     "lookup_timeouts": "searches not finished by lookup_deadline_ms (request went on without)",
     "lookups_skipped": "searches dropped unfinished because the exact prefix covered the prompt",
     "lookup_wait_ms": "milliseconds requests were held back (not scheduled) by their search",

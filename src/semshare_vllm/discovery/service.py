@@ -5,8 +5,9 @@ The scheduler half hands work over and picks results up; it never blocks here:
 * ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates;
   then the donors sharing the prompt's token 4-grams (``ngrams.py``): none with enough -> no
   donor; some holding at least half -> they are the candidates (no embedding needed either);
-  else detokenise -> embed -> cosine top-k in the namespace. Lookups run
-  on their own thread at normal priority: a request is waiting for each.
+  else, if the prompt can be embedded before its deadline (``EmbedSpeed``), detokenise ->
+  embed -> cosine top-k in the namespace, and if not, no donor. Lookups run on their own
+  thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
   until the scheduler thread attaches it to the catalog (which owns every mutation).
 * ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
@@ -60,6 +61,7 @@ class Lookup:
     fingerprint: int
     embed_ms: float = 0.0
     no_shared_grams: bool = False  # answered without embedding: no donor shares grams
+    too_long_to_embed: bool = False  # answered without embedding: it would miss its deadline
 
 
 @dataclass
@@ -69,6 +71,30 @@ class Embedded:
     embedding: DocumentEmbedding
     fingerprint: int
     embed_ms: float
+
+
+class EmbedSpeed:
+    """How long a lookup's embedding takes per token, measured on the lookup thread's own
+    embeddings (donors are embedded at a lower priority, slower under load): whether a prompt
+    can be embedded before its lookup's deadline. Embedding grows with the prompt (8K
+    tokens took 1.6 s on one CPU thread), so past some length a lookup's embedding only keeps
+    the thread from the next lookup while its request has long gone on without it."""
+
+    MIN_TOKENS = 256  # shorter embeddings measure the fixed costs more than the rate
+    WEIGHT = 0.3  # of the newest measurement in the running estimate
+
+    def __init__(self):
+        self.ms_per_token: float | None = None  # None: not measured yet (then: try)
+
+    def observe(self, tokens: int, ms: float) -> None:
+        if tokens < self.MIN_TOKENS:
+            return
+        rate = ms / tokens
+        old = self.ms_per_token
+        self.ms_per_token = rate if old is None else old + self.WEIGHT * (rate - old)
+
+    def in_time(self, tokens: int, deadline_ms: float) -> bool:
+        return self.ms_per_token is None or self.ms_per_token * tokens <= deadline_ms
 
 
 class _JobThread:
@@ -120,15 +146,19 @@ class DiscoveryService:
         embedder_id: str,
         min_shared_grams: float = 0.0,
         gram_match_share: float = GRAM_MATCH_SHARE,
+        deadline_ms: float | None = None,
         stats: StatsRecorder | None = None,
     ):
-        """``stats``: the recorder faults are counted into, from the discovery threads."""
+        """``deadline_ms``: how long a request waits for its lookup (None: embed whatever the
+        length); ``stats``: the recorder faults are counted into, from the discovery threads."""
         self.index = index
         self.embedder_id = embedder_id  # what snapshots are tagged with
         self.top_k = top_k
         self.threshold = threshold
         self.min_shared_grams = min_shared_grams
         self.gram_match_share = gram_match_share
+        self.deadline_ms = deadline_ms
+        self.embed_speed = EmbedSpeed()
         self._make_embedder = make_embedder
         self._detokenize = detokenize
         self._embedder: Embedder | None = None
@@ -281,7 +311,13 @@ class DiscoveryService:
             if self._ready_embedder() is None or self.index.size(namespace) == 0:
                 future.set_result(Lookup([], None, fingerprint))
                 return
+            if self.deadline_ms is not None and not self.embed_speed.in_time(
+                len(token_ids), self.deadline_ms
+            ):
+                future.set_result(Lookup([], None, fingerprint, too_long_to_embed=True))
+                return
             embedding, embed_ms = self._embed(token_ids)
+            self.embed_speed.observe(len(token_ids), embed_ms)
             found = self.index.search(namespace, embedding.vector, self.top_k, self.threshold)
             future.set_result(Lookup(found, embedding, fingerprint, embed_ms))
             self.index.build_pending(namespace)  # a FAISS table, once it outgrew exact search
@@ -368,5 +404,6 @@ def build_discovery(
         threshold=config.similarity_threshold,
         embedder_id=embedder_id,
         min_shared_grams=config.lookup_min_shared_grams,
+        deadline_ms=config.lookup_deadline_ms,
         stats=stats,
     )

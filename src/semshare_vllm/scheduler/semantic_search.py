@@ -109,6 +109,8 @@ class SemanticSearch:
         self.stats.add("embed_ms", lookup.embed_ms)
         if lookup.no_shared_grams:
             self.stats.add("lookups_without_shared_grams")
+        if lookup.too_long_to_embed:
+            self.stats.add("lookups_too_long_to_embed")
         namespace = namespace_of(request)
         valid = []
         for c in lookup.candidates:  # re-check: the donor may have gone while we searched

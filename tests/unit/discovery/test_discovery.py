@@ -14,11 +14,12 @@ from support.scheduler import finish, found, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.discovery.embedder import DocumentEmbedding
-from semshare_vllm.discovery.service import DiscoveryService
+from semshare_vllm.discovery.service import GRAM_MATCH_SHARE, DiscoveryService, EmbedSpeed
 from semshare_vllm.discovery.vector_index import VectorIndex
 from semshare_vllm.scheduler import SemShareScheduler
 
 VOCAB = 512
+KNOBS = set(SemShareConfig.__dataclass_fields__)
 
 
 class BagOfTokens:
@@ -43,6 +44,9 @@ class BagOfTokens:
 
 def scheduler(embedder=None, **cfg):
     embedder = embedder or BagOfTokens()
+    config = SemShareConfig(
+        **{"lookup_deadline_ms": 5000, **{k: v for k, v in cfg.items() if k in KNOBS}}
+    )
     service = DiscoveryService(
         lambda: embedder,
         lambda ids: " ".join(map(str, ids)),
@@ -53,8 +57,8 @@ def scheduler(embedder=None, **cfg):
         min_shared_grams=cfg.pop("min_shared_grams", 0.0),
         # the embedding path, unless a test is about shared grams
         gram_match_share=cfg.pop("gram_match_share", 2.0),
+        deadline_ms=config.lookup_deadline_ms,
     )
-    config = SemShareConfig(**{"lookup_deadline_ms": 5000, **cfg})
     s = SemShareScheduler(config, geometry(), service)
     return s, embedder
 
@@ -199,6 +203,61 @@ def test_shared_grams_decide_without_embedding():
     ask(s, reordered)
     assert found(s, "r") is None and emb.calls == calls  # below the share: a miss, unembedded
     assert s.stats.totals["lookups_without_shared_grams"] == 2
+
+
+class TokenPaced(BagOfTokens):
+    """Embeds at 1 ms per token, as a slow CPU would."""
+
+    def embed(self, text):
+        time.sleep(len(text.split()) * 1e-3)
+        return super().embed(text)
+
+
+def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
+    s, emb = scheduler(
+        TokenPaced(),
+        min_shared_grams=0.05,
+        gram_match_share=GRAM_MATCH_SHARE,
+        lookup_deadline_ms=1000,
+    )
+    finish(s, DOC)
+    settle(s)
+    assert s.discovery.embed_speed.ms_per_token is None  # donors' embeddings do not count
+    calls = emb.calls
+    # holds a fifth of the donor's grams: embedded, as nothing was measured yet (300 ms)
+    first = request("a", list(range(5000, 5240)) + DOC[:60])
+    s.on_new_request(first)
+    ask(s, first)
+    assert emb.calls == calls + 1
+    assert 0.9 <= s.discovery.embed_speed.ms_per_token < 2
+    # 1,500 tokens would take 1.5 s: past the deadline, so answered without an embedding
+    long = request("b", list(range(6000, 7350)) + DOC[:150])
+    s.on_new_request(long)
+    t0 = time.monotonic()
+    assert ask(s, long)[-1] == (0, False)
+    assert time.monotonic() - t0 < 0.5 and emb.calls == calls + 1
+    assert found(s, "b") is None and s.stats.totals["lookups_too_long_to_embed"] == 1
+    # just as long, but holding 60% of the donor's grams: a candidate without an embedding
+    close = request("c", list(range(8000, 8120)) + [9] * 1190 + DOC[:190])
+    s.on_new_request(close)
+    ask(s, close)
+    assert found(s, "c").candidates[0].method == "grams" and emb.calls == calls + 1
+    # a shorter one is still embedded (600 ms, within the deadline)
+    short = request("d", list(range(9000, 9540)) + DOC[:60])
+    s.on_new_request(short)
+    ask(s, short)
+    assert emb.calls == calls + 2 and s.stats.totals["lookups_too_long_to_embed"] == 1
+
+
+def test_embed_speed_follows_what_it_measures():
+    speed = EmbedSpeed()
+    assert speed.in_time(100_000, 1)  # nothing measured: try
+    speed.observe(100, 1000)  # too short to tell the rate from the fixed costs
+    assert speed.ms_per_token is None
+    speed.observe(1000, 500)
+    assert speed.ms_per_token == 0.5 and speed.in_time(400, 200) and not speed.in_time(401, 200)
+    speed.observe(1000, 1500)  # slower now (a busy core): the estimate moves toward it
+    assert 0.5 < speed.ms_per_token < 1.5
 
 
 def test_a_donor_is_found_by_its_text_before_its_embedding_exists():
