@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from semshare_vllm.core.counters import COUNTERS, HISTOGRAMS
+from semshare_vllm.core.counters import COUNTERS, HISTOGRAMS, LAYER_HISTOGRAMS
 
 
 @dataclass
@@ -47,7 +47,9 @@ class SemShareStats(KVConnectorStats):
         out: dict[str, int | float] = {}
         for name, value in self.data.items():
             if isinstance(value, list):  # a histogram: how many, and their mean
-                if value:
+                if value and name in LAYER_HISTOGRAMS:  # one vector per observation
+                    out[f"{name}_count"] = len(value)
+                elif value:
                     out[f"{name}_count"] = len(value)
                     out[f"{name}_mean"] = round(sum(value) / len(value), 3)
             elif value:
@@ -72,8 +74,8 @@ class SemShareStats(KVConnectorStats):
 
 class SemSharePromMetrics(KVConnectorPromMetrics):
     """Every counter as a Prometheus counter ``vllm:semshare_<name>`` (``_total`` appended by
-    the client), every histogram as a histogram of the same name, per engine, fed from the
-    aggregated stats vLLM's frontend receives."""
+    the client), every histogram as a histogram of the same name, per engine (a per-layer one
+    also per ``layer``), fed from the aggregated stats vLLM's frontend receives."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -100,9 +102,26 @@ class SemSharePromMetrics(KVConnectorPromMetrics):
             )
             for name, (doc, buckets) in HISTOGRAMS.items()
         }
+        # per layer: a child per (engine, layer), made on first use
+        self._engine_labels = per_engine_labelvalues
+        self._layer_histograms = {
+            name: self._histogram_cls(
+                name=f"vllm:semshare_{name}",
+                documentation=doc,
+                buckets=list(buckets),
+                labelnames=[*labelnames, "layer"],
+            )
+            for name, (doc, buckets) in LAYER_HISTOGRAMS.items()
+        }
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if isinstance(value, list) and name in self._layer_histograms:
+                metric, labels = self._layer_histograms[name], self._engine_labels[engine_idx]
+                for vector in value:
+                    for layer, ms in enumerate(vector):
+                        metric.labels(*labels, str(layer)).observe(ms)
+                continue
             if isinstance(value, list):
                 per_engine = self._histograms.get(name)
                 for v in value if per_engine is not None else ():

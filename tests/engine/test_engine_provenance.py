@@ -110,4 +110,17 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
     assert count("served_deviation_before") == count("served_deviation_after") == 1
     assert count("served_load_ms") == count("served_recompute_ms") == 1
     assert count("served_recompute_whole_ms") == 1
+    # the semantic hit's recompute by layer: one observation in each layer's series, and
+    # their sums are its provenance's figures
+    by_layer = re.findall(
+        r'^vllm:semshare_served_recompute_layer_ms_(count|sum)\{[^}]*layer="(\d+)"[^}]*\} (\S+)',
+        metrics,
+        re.M,
+    )
+    counts = {int(layer): float(v) for kind, layer, v in by_layer if kind == "count"}
+    sums = [
+        float(v) for kind, layer, v in sorted(by_layer, key=lambda x: int(x[1])) if kind == "sum"
+    ]
+    assert counts == {layer: 1.0 for layer in range(30)}
+    assert sums == pytest.approx(layers, abs=0.051)
     assert count("served_search_ms") == count("served_align_ms") == 2  # both hits

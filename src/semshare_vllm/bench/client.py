@@ -27,7 +27,11 @@ class Completion:
 
 _COUNTER = re.compile(r"^vllm:semshare_(\w+)_total\{[^}]*\} (\S+)$", re.M)
 # a histogram's sum and count, read as counters named <histogram>_sum / <histogram>_count
-_HISTOGRAM = re.compile(r"^vllm:semshare_(\w+_(?:sum|count))\{[^}]*\} (\S+)$", re.M)
+_HISTOGRAM = re.compile(r"^vllm:semshare_(\w+_(?:sum|count))\{(?![^}]*layer=)[^}]*\} (\S+)$", re.M)
+# a per-layer histogram's, read as <histogram>_sum/<layer> and <histogram>_count/<layer>
+_LAYER_HISTOGRAM = re.compile(
+    r'^vllm:semshare_(\w+_(?:sum|count))\{[^}]*\blayer="(\d+)"[^}]*\} (\S+)$', re.M
+)
 
 
 class Endpoint:
@@ -66,7 +70,8 @@ class Endpoint:
 
     def counters(self) -> dict[str, float]:
         """The connector's counters (``vllm:semshare_<name>_total``, summed over engines), and
-        each histogram's ``<name>_sum`` and ``<name>_count``."""
+        each histogram's ``<name>_sum`` and ``<name>_count`` (per layer: ``<name>_sum/<layer>``
+        and ``<name>_count/<layer>``)."""
         try:
             text = requests.get(self.url + "/metrics", timeout=10).text
         except requests.RequestException:
@@ -74,6 +79,8 @@ class Endpoint:
         out: dict[str, float] = {}
         for name, value in _COUNTER.findall(text) + _HISTOGRAM.findall(text):
             out[name] = out.get(name, 0.0) + float(value)
+        for name, layer, value in _LAYER_HISTOGRAM.findall(text):
+            out[f"{name}/{layer}"] = out.get(f"{name}/{layer}", 0.0) + float(value)
         return out
 
     def complete(

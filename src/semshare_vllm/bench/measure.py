@@ -45,6 +45,8 @@ class Measured:
     timings: dict[str, float] = field(default_factory=dict)
     # of its recompute, the time in the layers that ran every position (layer 0, the probe)
     recompute_whole_ms: float | None = None
+    # its recompute's time in each layer of the model (None: not reported)
+    recompute_layers_ms: list[float] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -127,7 +129,8 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     request at a time there): whether the gate escalated it (or declined it: a declined load
     escalated first), and the provenance's ``served_recompute_share`` histogram's one
     observation (none for a declined load: vLLM computed it), and its time breakdown's (one
-    observation of each ``served_<part>_ms``)."""
+    observation of each ``served_<part>_ms``, and of ``served_recompute_layer_ms`` per
+    layer)."""
     before, after = metrics["before"], metrics["after"]
 
     def delta(name: str) -> float:
@@ -142,6 +145,10 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
             m.timings[part] = delta(f"served_{part}_ms_sum")
     if delta("served_recompute_whole_ms_count") == 1:
         m.recompute_whole_ms = delta("served_recompute_whole_ms_sum")
+    layers = []
+    while delta(f"served_recompute_layer_ms_count/{len(layers)}") == 1:
+        layers.append(delta(f"served_recompute_layer_ms_sum/{len(layers)}"))
+    m.recompute_layers_ms = layers or None
 
 
 def warm_up(endpoint: Endpoint, donor_wait_s: float = 60.0) -> None:

@@ -82,6 +82,7 @@ def summarize(results: list[Measured]) -> dict:
             if any(m.escalated is not None for m in hits)
             else None,
             "breakdown_hits_ms": _breakdown(hits),
+            "recompute_layers_hits_ms": _per_layer(hits),
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
             ),
@@ -125,6 +126,15 @@ def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
         if all(part in m.timings for part in TIMINGS)
     )
     return out
+
+
+def _per_layer(hits: list[Measured]) -> list[float] | None:
+    """Per layer of the model, the median over the hits that reported their recompute's
+    layers (None: none did)."""
+    rows = [m.recompute_layers_ms for m in hits if m.recompute_layers_ms]
+    if not rows:
+        return None
+    return [_median(row[i] for row in rows if i < len(row)) for i in range(max(map(len, rows)))]
 
 
 def _median(values) -> float | None:
@@ -193,6 +203,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "escalated": m.escalated,
             "timings_ms": m.timings or None,
             "recompute_whole_ms": m.recompute_whole_ms,
+            "recompute_layers_ms": m.recompute_layers_ms,
         }
         for m in results
     ]
@@ -250,6 +261,19 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
             cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
             hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
             lines.append(f"| {tokens:,} | {name} | {hit} | {cells} |")
+    return "\n".join(lines)
+
+
+def layers_table(summaries: dict[int, dict[str, dict]]) -> str:
+    """The hits' recompute by layer of the model: one row per context length and workload
+    with hits that reported it (medians over its hits, ms, layer 0 first)."""
+    lines = ["| context | workload | recompute per layer, ms (layer 0, 1, ...) |", "|---|---|---|"]
+    for tokens, by_workload in summaries.items():
+        for name, s in by_workload.items():
+            layers = s.get("recompute_layers_hits_ms")
+            if layers:
+                cells = " ".join(_fmt(ms, ".0f") for ms in layers)
+                lines.append(f"| {tokens:,} | {name} | {cells} |")
     return "\n".join(lines)
 
 

@@ -143,6 +143,17 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 }
 
 
+# Histograms of one vector per request (element i: layer i of the model), exported with a
+# ``layer`` label: where a hit's recompute spent its time, by layer.
+LAYER_HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "served_recompute_layer_ms": (
+        "per repaired semantic hit and layer of the model: milliseconds of its selective "
+        "recompute in that layer (label layer; an escalated layer holds both of its runs)",
+        _MS_BUCKETS,
+    ),
+}
+
+
 class StatsRecorder:
     """One half's counters and histogram observations: the current interval's (taken for vLLM's
     stats channel) and running totals (read in-process by tests and benchmarks). Thread-safe:
@@ -150,9 +161,10 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self.totals: Counter[str] = Counter()
-        self.observed: dict[str, list[float]] = {}  # every observation so far, per histogram
+        # every observation so far, per histogram (of a per-layer one: a list per observation)
+        self.observed: dict[str, list] = {}
         self._interval: Counter[str] = Counter()
-        self._observations: dict[str, list[float]] = {}
+        self._observations: dict[str, list] = {}
         self._lock = threading.Lock()
 
     def add(self, name: str, value: float = 1) -> None:
@@ -168,6 +180,15 @@ class StatsRecorder:
         with self._lock:
             self.observed.setdefault(name, []).append(float(value))
             self._observations.setdefault(name, []).append(float(value))
+
+    def observe_layers(self, name: str, values: list[float]) -> None:
+        """One observation of a per-layer histogram: ``values[i]`` is layer i's."""
+        if name not in LAYER_HISTOGRAMS:
+            raise KeyError(name)
+        vector = [float(v) for v in values]
+        with self._lock:
+            self.observed.setdefault(name, []).append(vector)
+            self._observations.setdefault(name, []).append(list(vector))
 
     def take(self) -> dict[str, float | list[float]] | None:
         """The interval's counts, and each histogram's observations as a list (None when

@@ -153,6 +153,8 @@ class Provenance:
                 self.stats.observe(f"served_{name}_ms", ms)
         if figures["recompute_whole_ms"] is not None:
             self.stats.observe("served_recompute_whole_ms", figures["recompute_whole_ms"])
+        if figures["recompute_layers_ms"] is not None:
+            self.stats.observe_layers("served_recompute_layer_ms", figures["recompute_layers_ms"])
 
 
 def _timings(state: RequestState) -> dict:

@@ -285,7 +285,13 @@ def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
         return out
 
     a, b, c = (_measured("1985", "1985") for _ in range(3))  # served TTFT: 100 ms each
-    whole = {"served_recompute_whole_ms_sum": 30, "served_recompute_whole_ms_count": 1}
+    whole = {
+        "served_recompute_whole_ms_sum": 30,
+        "served_recompute_whole_ms_count": 1,
+        # by layer, as Endpoint.counters reads the labelled series
+        **{f"served_recompute_layer_ms_sum/{i}": ms for i, ms in enumerate((25, 10, 5))},
+        **{f"served_recompute_layer_ms_count/{i}": 1 for i in range(3)},
+    }
     _repair_figures(
         a, {"before": metrics(0, 0, 0, 0, 0), "after": {**metrics(1, 5, 4, 10, 40), **whole}}
     )
@@ -319,6 +325,37 @@ def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
     assert row == "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 30 ms | 68 ms |"
     assert report.request_rows([a])[0]["timings_ms"] == a.timings
     assert report.request_rows([a])[0]["recompute_whole_ms"] == 30
+    # by layer: a's (b and c reported none)
+    assert (a.recompute_layers_ms, b.recompute_layers_ms) == ([25, 10, 5], None)
+    assert s["recompute_layers_hits_ms"] == [25, 10, 5]
+    assert report.request_rows([a])[0]["recompute_layers_ms"] == [25, 10, 5]
+    assert report.layers_table({512: {"entity-swap": s}}).splitlines()[2] == (
+        "| 512 | entity-swap | 25 10 5 |"
+    )
+
+
+def test_the_endpoint_reads_per_layer_histograms_by_layer(monkeypatch):
+    from semshare_vllm.bench import client
+
+    text = "\n".join(
+        [
+            'vllm:semshare_hits_total{engine="0",model_name="m"} 2.0',
+            'vllm:semshare_served_recompute_ms_sum{engine="0",model_name="m"} 60.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="0",model_name="m"} 40.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="1",model_name="m"} 20.0',
+            'vllm:semshare_served_recompute_layer_ms_count{engine="0",layer="1",model_name="m"} 1.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="1",layer="1",model_name="m"} 5.0',
+        ]
+    )
+    monkeypatch.setattr(client.requests, "get", lambda *a, **k: type("R", (), {"text": text})())
+    got = client.Endpoint("http://x", model="m").counters()
+    assert got == {
+        "hits": 2.0,
+        "served_recompute_ms_sum": 60.0,
+        "served_recompute_layer_ms_sum/0": 40.0,
+        "served_recompute_layer_ms_sum/1": 25.0,  # summed over engines
+        "served_recompute_layer_ms_count/1": 1.0,
+    }
 
 
 def test_plots_at_one_size_draw_bars_per_workload(tmp_path):

@@ -157,6 +157,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
         "served_load_ms": [12.3],
         "served_recompute_ms": [456.8],
         "served_recompute_whole_ms": [300.0],
+        "served_recompute_layer_ms": [[300.0, 156.7]],
     }
     # a report for it now (there is none: a duplicate) writes nothing
     s.update_connector_output(output([RepairReport("t", load.seq, 0.5)]))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from semshare_vllm.core.counters import HISTOGRAMS, StatsRecorder
+from semshare_vllm.core.counters import HISTOGRAMS, LAYER_HISTOGRAMS, StatsRecorder
 from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
 
 
@@ -63,3 +63,35 @@ def test_histograms_reach_prometheus():
         "served_recompute_ms",
         "served_recompute_whole_ms",
     }
+
+
+def test_a_hits_recompute_by_layer_reaches_prometheus_labelled_by_layer():
+    rec = StatsRecorder()
+    rec.observe_layers("served_recompute_layer_ms", [300, 50, 4])
+    rec.observe_layers("served_recompute_layer_ms", [200, 40, 6])
+    payload = rec.take()
+    assert payload == {"served_recompute_layer_ms": [[300.0, 50.0, 4.0], [200.0, 40.0, 6.0]]}
+    assert rec.observed["served_recompute_layer_ms"] == payload["served_recompute_layer_ms"]
+    with pytest.raises(KeyError):
+        rec.observe_layers("served_recompute_ms", [1.0])  # not a per-layer histogram
+    merged = SemShareStats.of(payload).aggregate(
+        SemShareStats.of({"served_recompute_layer_ms": [[100.0, 30.0, 2.0]]})
+    )
+    assert merged.reduce() == {"served_recompute_layer_ms_count": 3}  # hits, not layers
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    prom = SemSharePromMetrics(vllm_config, types, ["engine"], {0: ["0"], 1: ["1"]})
+    prom.observe(merged.data, engine_idx=1)
+
+    def sample(suffix, layer, engine="1"):
+        return registry.get_sample_value(
+            f"vllm:semshare_served_recompute_layer_ms_{suffix}",
+            {"engine": engine, "layer": str(layer)},
+        )
+
+    assert [sample("count", i) for i in range(3)] == [3, 3, 3]
+    assert [sample("sum", i) for i in range(3)] == [600, 120, 12]
+    assert sample("count", 0, engine="0") is None  # nothing observed for engine 0
+    assert set(LAYER_HISTOGRAMS) == {"served_recompute_layer_ms"}
