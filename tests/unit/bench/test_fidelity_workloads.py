@@ -341,10 +341,10 @@ def test_the_endpoint_reads_per_layer_histograms_by_layer(monkeypatch):
         [
             'vllm:semshare_hits_total{engine="0",model_name="m"} 2.0',
             'vllm:semshare_served_recompute_ms_sum{engine="0",model_name="m"} 60.0',
-            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="0",model_name="m"} 40.0',
-            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="1",model_name="m"} 20.0',
-            'vllm:semshare_served_recompute_layer_ms_count{engine="0",layer="1",model_name="m"} 1.0',
-            'vllm:semshare_served_recompute_layer_ms_sum{engine="1",layer="1",model_name="m"} 5.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="0",model="m"} 40.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="0",layer="1",model="m"} 20.0',
+            'vllm:semshare_served_recompute_layer_ms_count{engine="0",layer="1",model="m"} 1.0',
+            'vllm:semshare_served_recompute_layer_ms_sum{engine="1",layer="1",model="m"} 5.0',
         ]
     )
     monkeypatch.setattr(client.requests, "get", lambda *a, **k: type("R", (), {"text": text})())
