@@ -6,8 +6,12 @@ the model.
   computed for the same prompt, at every layer;
 * recomputing a subset over exact KV leaves the KV exact, and writes only the subset's slots;
 * with ``recompute_policy="all"``, a donor whose KV was zeroed still yields vLLM's cold answer
-  (tokens and logprobs), because every loaded token is recomputed through the model.
+  (tokens and logprobs), because every loaded token is recomputed through the model;
+* a layer over a prefill's positions in chunks (vLLM's ``max_num_batched_tokens``) writes the
+  same KV and gives the same output as all at once.
 """
+
+import functools
 
 import numpy as np
 import pytest
@@ -112,6 +116,40 @@ def test_model_hook_reaches_the_loaded_model(llm, worker):
     assert worker.kv.repairer.runner.model is model_hook.loaded_model(worker._vllm_config)
     assert type(worker.kv.repairer.runner.model).__name__ == "LlamaForCausalLM"
     assert len(worker.kv.repairer.runner.layers) in (2, 30)
+    # layers over a prefill's positions go in vLLM's own chunks
+    scheduler_config = worker._vllm_config.scheduler_config
+    assert worker.kv.repairer.runner.chunk_tokens == scheduler_config.max_num_batched_tokens
+
+
+def test_a_chunked_layer_reproduces_vllms_kv_and_the_unchunked_runners_output(llm, worker, cases):
+    prompt = cases["kv"][0]
+    n = len(prompt)
+    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
+    needed = -(-n // worker.geometry.block_size)
+    blocks = list(range(needed))
+    model = worker.kv.repairer.runner.model
+    finals = []
+    for chunk in (None, 64):
+        caches, names = private_caches(worker, num_blocks=needed)
+        runner = LayerRunner(model, caches, worker.kv.layout, chunk_tokens=chunk)
+        calls: list[int] = []
+        hook = runner.layers[0].decoder.module.register_forward_hook(
+            functools.partial(_count_positions, calls)
+        )
+        try:
+            result = runner.recompute(prompt, blocks, np.arange(n), final_hidden=True)
+        finally:
+            hook.remove()
+        # every position in every layer: one call each, or one per chunk of 64 in order
+        assert calls == ([n] if chunk is None else [min(64, n - lo) for lo in range(0, n, 64)])
+        got = cache_kv(worker, caches, names, blocks, n)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
+        finals.append(result.hidden)
+    torch.testing.assert_close(finals[1], finals[0], atol=1e-4, rtol=1e-4)
+
+
+def _count_positions(calls, module, args, out):
+    calls.append(len(args[0]))
 
 
 def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases):

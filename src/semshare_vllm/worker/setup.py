@@ -162,7 +162,12 @@ def make_repairer(
                 f"{', '.join(model_hook.installed()) or 'none'})"
             )
         return Repairer(
-            LayerRunner(model, kv_caches, layout),
+            LayerRunner(
+                model,
+                kv_caches,
+                layout,
+                chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            ),
             RopeTable.from_model(model),
             layout.offsets(cache),
             reports_deviation=rank == 0,
