@@ -140,7 +140,7 @@ def test_a_chunked_layer_reproduces_vllms_kv_and_the_unchunked_runners_output(ll
             result = runner.recompute(prompt, blocks, np.arange(n), final_hidden=True)
         finally:
             hook.remove()
-        # every position in every layer: one call each, or one per chunk of 64 in order
+        # layer 0 over every position: one call, or one per chunk of 64, in order
         assert calls == ([n] if chunk is None else [min(64, n - lo) for lo in range(0, n, 64)])
         got = cache_kv(worker, caches, names, blocks, n)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)

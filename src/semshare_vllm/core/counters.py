@@ -161,7 +161,8 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self.totals: Counter[str] = Counter()
-        # every observation so far, per histogram (of a per-layer one: a list per observation)
+        # the latest observations (at least KEEP_OBSERVED), per histogram (of a per-layer
+        # one: a list per observation)
         self.observed: dict[str, list] = {}
         self._interval: Counter[str] = Counter()
         self._observations: dict[str, list] = {}
@@ -174,11 +175,13 @@ class StatsRecorder:
             self.totals[name] += value
             self._interval[name] += value
 
+    KEEP_OBSERVED = 4096  # of each histogram's running record, the latest kept
+
     def observe(self, name: str, value: float) -> None:
         if name not in HISTOGRAMS:
             raise KeyError(name)
         with self._lock:
-            self.observed.setdefault(name, []).append(float(value))
+            self._keep(name, float(value))
             self._observations.setdefault(name, []).append(float(value))
 
     def observe_layers(self, name: str, values: list[float]) -> None:
@@ -187,8 +190,15 @@ class StatsRecorder:
             raise KeyError(name)
         vector = [float(v) for v in values]
         with self._lock:
-            self.observed.setdefault(name, []).append(vector)
+            self._keep(name, vector)
             self._observations.setdefault(name, []).append(list(vector))
+
+    def _keep(self, name: str, value) -> None:
+        """Into the running record: bounded, as a server records one per hit for its life."""
+        kept = self.observed.setdefault(name, [])
+        kept.append(value)
+        if len(kept) > 2 * self.KEEP_OBSERVED:
+            del kept[: -self.KEEP_OBSERVED]
 
     def take(self) -> dict[str, float | list[float]] | None:
         """The interval's counts, and each histogram's observations as a list (None when

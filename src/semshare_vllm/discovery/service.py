@@ -82,9 +82,14 @@ class EmbedSpeed:
 
     MIN_TOKENS = 256  # shorter embeddings measure the fixed costs more than the rate
     WEIGHT = 0.3  # of the newest measurement in the running estimate
+    # A slow spell (a busy core) must not refuse long prompts for good: nothing refused is
+    # measured, so one is embedded anyway once the estimate is this old.
+    REMEASURE_S = 60.0
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.ms_per_token: float | None = None  # None: not measured yet (then: try)
+        self._clock = clock
+        self._measured_at = 0.0
 
     def observe(self, tokens: int, ms: float) -> None:
         if tokens < self.MIN_TOKENS:
@@ -92,9 +97,17 @@ class EmbedSpeed:
         rate = ms / tokens
         old = self.ms_per_token
         self.ms_per_token = rate if old is None else old + self.WEIGHT * (rate - old)
+        self._measured_at = self._clock()
 
     def in_time(self, tokens: int, deadline_ms: float) -> bool:
-        return self.ms_per_token is None or self.ms_per_token * tokens <= deadline_ms
+        """Whether to embed a prompt of ``tokens``: it would finish by ``deadline_ms``, or the
+        estimate is due to be measured again."""
+        if self.ms_per_token is None or self.ms_per_token * tokens <= deadline_ms:
+            return True
+        if self._clock() - self._measured_at >= self.REMEASURE_S:
+            self._measured_at = self._clock()  # one try per period, measured or not
+            return True
+        return False
 
 
 class _JobThread:

@@ -95,3 +95,16 @@ def test_a_hits_recompute_by_layer_reaches_prometheus_labelled_by_layer():
     assert [sample("sum", i) for i in range(3)] == [600, 120, 12]
     assert sample("count", 0, engine="0") is None  # nothing observed for engine 0
     assert set(LAYER_HISTOGRAMS) == {"served_recompute_layer_ms"}
+
+
+def test_the_running_record_keeps_the_latest_observations_only(monkeypatch):
+    monkeypatch.setattr(StatsRecorder, "KEEP_OBSERVED", 3)
+    rec = StatsRecorder()
+    for i in range(10):
+        rec.observe("served_recompute_ms", i)
+        rec.observe_layers("served_recompute_layer_ms", [i, i])
+    assert 3 <= len(rec.observed["served_recompute_ms"]) <= 6
+    assert rec.observed["served_recompute_ms"][-3:] == [7.0, 8.0, 9.0]
+    assert rec.observed["served_recompute_layer_ms"][-1] == [9.0, 9.0]
+    # the interval's observations are all handed over, whatever the record keeps
+    assert len(rec.take()["served_recompute_ms"]) == 10
