@@ -187,7 +187,8 @@ class DiscoveryService:
     # ---- called from the scheduler thread -----------------------------------------------------
     def lookup(self, namespace: str, token_ids: list[int]) -> Future:
         future: Future = Future()
-        self._urgent.put(lambda: self._lookup(future, namespace, token_ids))
+        asked = time.monotonic()  # its request's deadline runs from about now
+        self._urgent.put(lambda: self._lookup(future, namespace, token_ids, asked))
         return future
 
     def run(self, job: Callable[[], object]) -> Future:
@@ -294,7 +295,7 @@ class DiscoveryService:
         embedding = self._embedder.embed(self._detokenize(token_ids))
         return embedding, (time.perf_counter() - t0) * 1e3
 
-    def _lookup(self, future: Future, namespace: str, token_ids: list[int]) -> None:
+    def _lookup(self, future: Future, namespace: str, token_ids: list[int], asked: float) -> None:
         if not future.set_running_or_notify_cancel():
             return  # the request stopped waiting before its turn came
         try:
@@ -324,9 +325,13 @@ class DiscoveryService:
             if self._ready_embedder() is None or self.index.size(namespace) == 0:
                 future.set_result(Lookup([], None, fingerprint))
                 return
-            if self.deadline_ms is not None and not self.embed_speed.in_time(
-                len(token_ids), self.deadline_ms
-            ):
+            # what is left of the deadline: a lookup may have waited behind another's embedding
+            left_ms = (
+                None
+                if self.deadline_ms is None
+                else (self.deadline_ms - (time.monotonic() - asked) * 1e3)
+            )
+            if left_ms is not None and not self.embed_speed.in_time(len(token_ids), left_ms):
                 future.set_result(Lookup([], None, fingerprint, too_long_to_embed=True))
                 return
             embedding, embed_ms = self._embed(token_ids)

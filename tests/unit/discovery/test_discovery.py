@@ -249,6 +249,24 @@ def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
     assert emb.calls == calls + 2 and s.stats.totals["lookups_too_long_to_embed"] == 1
 
 
+def test_a_lookup_queued_behind_an_embedding_counts_what_is_left_of_its_deadline():
+    s, emb = scheduler(TokenPaced(), min_shared_grams=0.05, lookup_deadline_ms=1000)
+    finish(s, DOC)
+    settle(s)
+    s.discovery.embed_speed.observe(1000, 1000)  # 1 ms a token, as measured
+    # the first is embedded (700 ms, within its deadline); the second, asked at the same
+    # moment, has ~300 ms left when its turn comes: too little for 600 tokens
+    first = request("a", list(range(5000, 5640)) + DOC[:60])
+    second = request("b", list(range(6000, 6540)) + DOC[:60])
+    s.on_new_request(first)
+    s.on_new_request(second)
+    calls = emb.calls
+    ask(s, first)
+    ask(s, second)
+    assert emb.calls == calls + 1
+    assert s.stats.totals["lookups_too_long_to_embed"] == 1
+
+
 def test_embed_speed_follows_what_it_measures_and_measures_again():
     now = [1000.0]
     speed = EmbedSpeed(clock=lambda: now[0])
