@@ -393,8 +393,8 @@ class LayerRunner:
 
     def _in_chunks(self, lay, block_ids, pos, all_slots, hidden, residual):
         """One layer over the context's last positions, ``chunk_tokens`` at a time: a layer
-        over 8K positions at once was 1.2-1.6x vLLM's own (two chunks of 4K) on this CPU, its
-        activations outgrowing the caches (docs/benchmarks.md). (hidden, residual, fault)."""
+        over 8K positions at once was 1.2-1.6x vLLM's own (two chunks of 4K) on a CPU core, not
+        traced further than that (docs/benchmarks.md). (hidden, residual, fault)."""
         outs, res_outs, fault = [], [], None
         for lo in range(0, len(pos), self.chunk_tokens):
             hi = min(lo + self.chunk_tokens, len(pos))
