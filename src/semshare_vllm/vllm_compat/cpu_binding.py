@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger("vllm.semshare")
 
@@ -59,3 +60,11 @@ def run_on_connector_cores() -> None:
         threadpool_limits(limits=1, user_api="openmp")
     except Exception as exc:  # noqa: BLE001  (no threadpoolctl, an OpenMP it cannot drive)
         logger.debug("SemShare: OpenMP teams of a connector thread left as they are (%s)", exc)
+
+
+def connector_thread(name: str) -> ThreadPoolExecutor:
+    """One worker thread, named ``name``, that runs on ``connector_cores`` (off the forward
+    pass's cores on vLLM-CPU; where it stays elsewhere)."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=run_on_connector_cores
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import CaptureSpec
 from semshare_vllm.store.host_store import DonorUnavailable
-from semshare_vllm.vllm_compat.cpu_binding import run_on_connector_cores
+from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 from semshare_vllm.worker.reports import WorkerReport
 from semshare_vllm.worker.setup import WorkerKV
 
@@ -48,10 +48,7 @@ class Captures:
         self.kv, self.off = kv, off
         self.stats, self.report = stats, report
         self.jobs: dict[DonorKey, CaptureJob] = {}
-        # off the cores the forward pass computes on (on vLLM-CPU; a no-op elsewhere)
-        self._thread = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="semshare-capture", initializer=run_on_connector_cores
-        )
+        self._thread = connector_thread("semshare-capture")
 
     def take(self, spec: CaptureSpec) -> None:
         """Allocate the donor's pool blocks; the copy starts after the forward (``start``)."""

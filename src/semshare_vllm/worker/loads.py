@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +42,7 @@ from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.store.host_store import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
-from semshare_vllm.vllm_compat.cpu_binding import run_on_connector_cores
+from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.repair import plan_repair, repair
@@ -78,11 +77,8 @@ class Loads:
         self.kv, self.off, self.captures = kv, off, captures
         self.config, self._vllm_config = config, vllm_config
         self.stats, self.report = stats, report
-        # moves the donor KV beside the recompute (``_load_overlapped``), off the forward
-        # pass's cores (on vLLM-CPU; a no-op elsewhere)
-        self._side = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="semshare-load", initializer=run_on_connector_cores
-        )
+        # moves the donor KV beside the recompute (``_load_overlapped``)
+        self._side = connector_thread("semshare-load")
 
     def load(self, spec: LoadSpec) -> None:
         """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
