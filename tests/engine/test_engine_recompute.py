@@ -4,7 +4,8 @@ the model.
 
 * the runner, recomputing every position over empty caches, reproduces the KV vLLM itself
   computed for the same prompt, at every layer;
-* recomputing a subset over exact KV leaves the KV exact, and writes only the subset's slots;
+* recomputing a subset over exact KV leaves the KV exact, and writes only the subset's slots
+  (attended by vLLM's own CPU kernel, each run of consecutive positions as one of its requests);
 * with ``recompute_policy="all"``, a donor whose KV was zeroed still yields vLLM's cold answer
   (tokens and logprobs), because every loaded token is recomputed through the model;
 * a layer over a prefill's positions in chunks (vLLM's ``max_num_batched_tokens``) writes the
@@ -21,7 +22,7 @@ from semshare_vllm.core.keys import DonorKey, donor_id_for
 from semshare_vllm.recompute.layer_runner import LayerRunner
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
-from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat import cpu_attention, model_hook
 
 pytestmark = pytest.mark.engine
 
@@ -152,7 +153,9 @@ def _count_positions(calls, module, args, out):
     calls.append(len(args[0]))
 
 
-def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases):
+def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(
+    llm, worker, cases, monkeypatch
+):
     prompt = cases["kv"][0]
     n = len(prompt)
     want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
@@ -172,7 +175,16 @@ def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, ca
         k[subset], v[subset] = torch.randn_like(k[subset]), torch.randn_like(v[subset])
         worker.kv.layout.write_range(caches[name], blocks, 0, k, v)
     before = {name: c.clone() for name, c in caches.items()}
+    runs = []  # the scattered subset is attended by vLLM's own CPU kernel, run by run
+    kernel = cpu_attention.causal_attention
+
+    def counted(cache, q, positions, *args):
+        runs.append(1 + int(np.count_nonzero(np.diff(positions) != 1)))
+        return kernel(cache, q, positions, *args)
+
+    monkeypatch.setattr(cpu_attention, "causal_attention", counted)
     runner.recompute(prompt, blocks, subset, context=n)
+    assert len(runs) == len(names) and min(runs) > 10
     torch.testing.assert_close(
         cache_kv(worker, caches, names, blocks, n), want, atol=2e-4, rtol=1e-3
     )

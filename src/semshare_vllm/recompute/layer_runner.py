@@ -27,11 +27,10 @@ the load failed (``worker/loads.py``). A fault in the model's own code between i
 (out of memory in an MLP, say) cannot be contained this way.
 
 vLLM's attention layer cannot be called here (it needs the step's forward-context metadata).
-Where the layer's backend is CPU_ATTN and the recomputed positions are the context's last ones
-(a prefill's shape), vLLM's own CPU kernels write the cache and attend over the paged cache
-(``vllm_compat.cpu_attention``); otherwise (any other backend or device, scattered positions,
-probe passes) attention is torch SDPA over the K/V gathered from the paged cache, in causal
-chunks (``attend``). A layer over a prefill's positions (layer 0 takes every loaded one) runs
+Where the layer's backend is CPU_ATTN, vLLM's own CPU kernels write the cache and attend over the
+paged cache, each run of consecutive positions as one of the kernel's requests
+(``vllm_compat.cpu_attention``); otherwise (any other backend or device, probe passes) attention
+is torch SDPA over the K/V gathered from the paged cache, in causal chunks (``attend``). A layer over a prefill's positions (layer 0 takes every loaded one) runs
 in chunks of ``chunk_tokens`` (vLLM's ``max_num_batched_tokens``), in order, as vLLM's chunked
 prefill runs it. Only the model's modules are used, so any decoder with the Llama structure
 works: Llama, Mistral, Qwen2, Qwen3 (q/k norms inside its own attention forward). The model's
@@ -165,13 +164,9 @@ class _RecomputeAttention(torch.nn.Module):
                 (1, 2)
             )
             self.deviation_parts = (diff, k32.square().sum((1, 2)) + v32.square().sum((1, 2)))
-        kernel = (
-            lay.cpu_isa is not None
-            and _is_tail(self.positions, self.context)
-            and not self.probe_only
-        )
-        if kernel:  # vLLM's own CPU cache write and prefill attention, on the paged cache
-            out = _cpu_attention(lay, q, k, v, self.slots, self.block_ids, self.context)
+        kernel = lay.cpu_isa is not None and not self.probe_only
+        if kernel:  # vLLM's own CPU cache write and attention, on the paged cache
+            out = _cpu_attention(lay, q, k, v, self.slots, self.block_ids, self.positions)
         else:
             lay.spec.write(lay.cache, self.slots, k, v)
         if self.probe_only and not self.tail:
@@ -209,12 +204,14 @@ def _is_tail(positions: torch.Tensor, context: int) -> bool:
     return int(positions[-1]) == context - 1 and int(positions[0]) == context - n
 
 
-def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, context) -> torch.Tensor:
-    """CPU_ATTN layouts, queries = the context's last tokens: vLLM's own ops write K/V and
-    attend (faster than SDPA over gathered K/V: docs/benchmarks.md, "Selective recompute"),
-    exactly as a prefill does."""
+def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, positions) -> torch.Tensor:
+    """CPU_ATTN layouts: vLLM's own ops write K/V and attend over the paged cache, as a
+    prefill does (faster than SDPA over gathered K/V, for a prefill's positions and for
+    scattered ones: docs/benchmarks.md, "Selective recompute")."""
     cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
-    return cpu_attention.prefill_attention(lay.cache, q, block_ids, context, lay.scale, lay.cpu_isa)
+    return cpu_attention.causal_attention(
+        lay.cache, q, positions.cpu().numpy(), block_ids, lay.scale, lay.cpu_isa
+    )
 
 
 def tail_attention(
