@@ -223,12 +223,15 @@ def tail_attention(
     n = k.shape[0]
     if not bool(sel.any()):
         return torch.zeros(n)
-    qt = q[sel].float().transpose(0, 1)  # [Hq, t, D]
-    kt = k.float().transpose(0, 1).repeat_interleave(q.shape[1] // k.shape[1], dim=0)
-    scores = qt @ kt.transpose(1, 2) * scale  # [Hq, t, n]
-    mask = torch.arange(n)[None, :] <= q_pos[sel][:, None]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return probs.sum((0, 1))
+    qs = q[sel].float()
+    t, num_heads, head_size = qs.shape
+    num_kv, group = k.shape[1], num_heads // k.shape[1]
+    # each KV head's query heads side by side, not its keys repeated (a copy of every key)
+    qg = qs.view(t, num_kv, group, head_size).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * scale  # [Hkv, group * t, n]
+    later = torch.arange(n, device=k.device)[None, :] > q_pos[sel][:, None]  # [t, n]
+    scores.view(num_kv, group, t, n).masked_fill_(later, float("-inf"))
+    return torch.softmax(scores, dim=-1).sum((0, 1))
 
 
 class LayerRunner:

@@ -1,0 +1,55 @@
+"""The layer runner's own attention math against a plain per-head reference: ``attend`` (torch
+SDPA over gathered K/V, any backend) at scattered and at every position, and
+``tail_attention`` (the attention mass the last tokens pay each position), with grouped KV
+heads."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from semshare_vllm.recompute.layer_runner import attend, tail_attention
+
+N, HQ, HKV, D = 300, 6, 2, 16
+SCALE = 1 / math.sqrt(D)
+
+
+def _inputs(positions):
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(N, HKV, D, generator=g) for _ in range(2))
+    q = torch.randn(len(positions), HQ, D, generator=g)
+    return q, k, v, torch.as_tensor(positions)
+
+
+def _probs(q, k, q_pos):
+    """[Hq, t, N]: each query head's softmax over the keys up to its query's position."""
+    kk = k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)  # [Hq, N, D]
+    scores = q.transpose(0, 1) @ kk.transpose(1, 2) * SCALE
+    seen = torch.arange(N)[None, :] <= q_pos[:, None]
+    return torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [np.arange(N), np.sort(np.random.default_rng(1).choice(N, 90, replace=False)), [7]],
+    ids=["every", "scattered", "one"],
+)
+def test_attend_is_causal_attention_by_position(positions):
+    q, k, v, q_pos = _inputs(positions)
+    vv = v.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+    want = (_probs(q, k, q_pos) @ vv).transpose(0, 1)
+    got = attend(q, k[: int(q_pos[-1]) + 1], v[: int(q_pos[-1]) + 1], q_pos, SCALE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tail_attention_sums_the_last_queries_attention_per_key():
+    positions = np.sort(np.random.default_rng(2).choice(N, 60, replace=False))
+    q, k, _, q_pos = _inputs(positions)
+    first = int(positions[-12])  # the last 12 queries are the window's
+    want = _probs(q, k, q_pos)[:, q_pos >= first].sum((0, 1))
+    got = tail_attention(q, k, q_pos, first, SCALE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (N,) and math.isclose(float(got.sum()), HQ * 12, rel_tol=1e-5)
+    assert float(got[int(q_pos[-1]) + 1 :].abs().sum()) == 0.0  # no key after the last query
+    assert torch.equal(tail_attention(q, k, q_pos, N, SCALE), torch.zeros(N))  # none in it
