@@ -153,9 +153,7 @@ def _count_positions(calls, module, args, out):
     calls.append(len(args[0]))
 
 
-def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(
-    llm, worker, cases, monkeypatch
-):
+def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases, monkeypatch):
     prompt = cases["kv"][0]
     n = len(prompt)
     want = donor_kv(worker, captured(llm, worker, cases, prompt), n)

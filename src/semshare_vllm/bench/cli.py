@@ -143,11 +143,14 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
     config = {k: v for k, v in vars(args).items() if k != "workload_names"}
     config["model"] = endpoint.model
     interrupted = False
-    warm_up(endpoint, args.donor_wait_s)
     limit = endpoint.max_model_len and endpoint.max_model_len - args.max_tokens
+    if args.workload_file:  # checked before anything is sent
+        from_file = workloads.load_file(args.workload_file)
+        workloads.check_fit(from_file, sizer, limit)
+    warm_up(endpoint, args.donor_wait_s)
     for tokens in args.context_tokens:
         if args.workload_file:
-            requests = workloads.load_file(args.workload_file)
+            requests = from_file
         else:
             requests = []
             for name in args.workload_names:
@@ -226,8 +229,13 @@ def _launched(args: argparse.Namespace) -> int:
     kv = dict(SEMSHARE)
     if args.extra_config:
         kv["kv_connector_extra_config"] = args.extra_config
-    # room for the workloads' instructions and questions, within the model's own context
+    # room for the workloads' instructions and questions (or the file's longest prompt and the
+    # output), within the model's own context
     max_model_len = max(4096, max(args.context_tokens) + 512)
+    sizer = _sizer(args.tokenizer or model)
+    if args.workload_file:
+        longest = workloads.longest(workloads.load_file(args.workload_file), sizer)
+        max_model_len = max(max_model_len, longest + args.max_tokens + 16)
     limit = models.context_limit(model)
     if limit is not None:
         max_model_len = min(max_model_len, limit)
@@ -239,7 +247,7 @@ def _launched(args: argparse.Namespace) -> int:
     ):
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()
-        return bench(args, endpoint, _sizer(args.tokenizer or model))
+        return bench(args, endpoint, sizer)
 
 
 if __name__ == "__main__":

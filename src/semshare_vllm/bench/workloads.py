@@ -126,6 +126,23 @@ def build(name: str, groups: int, tokens: int, sizer: Sizer, seed: int = 0) -> l
     return _BUILDERS[name](groups, tokens, sizer, random.Random(f"{name}/{seed}/{tokens}"))
 
 
+def longest(requests: list[BenchRequest], sizer: Sizer) -> int:
+    """Tokens of the longest request, a scored reference counted with its prompt."""
+    return max((sizer.count(r.prompt + (r.reference or "")) for r in requests), default=0)
+
+
+def check_fit(requests: list[BenchRequest], sizer: Sizer, limit: int | None) -> None:
+    """Name the first request longer than ``limit`` tokens (the server's context less the
+    output): the server would refuse it, and every request like it, with a bare HTTP 400."""
+    for r in requests if limit else ():
+        tokens = sizer.count(r.prompt + (r.reference or ""))
+        if tokens > limit:
+            raise WorkloadError(
+                f"a {r.role} of group {r.group!r} has {tokens} tokens; the server takes at most "
+                f"{limit} (its context less --max-tokens): shorten it, or serve a longer context"
+            )
+
+
 def load_file(path: str | Path) -> list[BenchRequest]:
     """A user's JSONL workload; every malformed line is named."""
     out = []

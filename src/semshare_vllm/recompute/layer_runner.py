@@ -30,9 +30,10 @@ vLLM's attention layer cannot be called here (it needs the step's forward-contex
 Where the layer's backend is CPU_ATTN, vLLM's own CPU kernels write the cache and attend over the
 paged cache, each run of consecutive positions as one of the kernel's requests
 (``vllm_compat.cpu_attention``); otherwise (any other backend or device, probe passes) attention
-is torch SDPA over the K/V gathered from the paged cache, in causal chunks (``attend``). A layer over a prefill's positions (layer 0 takes every loaded one) runs
-in chunks of ``chunk_tokens`` (vLLM's ``max_num_batched_tokens``), in order, as vLLM's chunked
-prefill runs it. Only the model's modules are used, so any decoder with the Llama structure
+is torch SDPA over the K/V gathered from the paged cache, in causal chunks (``attend``). A
+layer over a prefill's positions (layer 0 takes every loaded one) runs in chunks of
+``chunk_tokens`` (vLLM's ``max_num_batched_tokens``), in order, as vLLM's chunked prefill runs
+it. Only the model's modules are used, so any decoder with the Llama structure
 works: Llama, Mistral, Qwen2, Qwen3 (q/k norms inside its own attention forward). The model's
 structure is read through ``vllm_compat.decoder_layers``; anything else raises
 ``UnsupportedModel`` at start-up.

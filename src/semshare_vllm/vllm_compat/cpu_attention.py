@@ -56,7 +56,8 @@ def causal_attention(
     positions = np.asarray(positions, dtype=np.int64)
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
     starts = torch.from_numpy(np.concatenate([[0], breaks, [q_len]]).astype(np.int32))
-    seq_lens = torch.from_numpy((positions[np.concatenate([breaks, [q_len]]) - 1] + 1).astype(np.int32))
+    ends = np.concatenate([breaks, [q_len]])  # one past each run's last query
+    seq_lens = torch.from_numpy((positions[ends - 1] + 1).astype(np.int32))
     blocks = -(-int(positions[-1] + 1) // block_size)
     table = torch.tensor([block_ids[:blocks]], dtype=torch.int32).expand(len(seq_lens), blocks)
     meta = ops.cpu_attn_get_scheduler_metadata(

@@ -317,3 +317,71 @@ def test_a_terminated_launched_bench_stops_its_server(tmp_path):
     )
     assert marker.exists(), (done.returncode, done.stderr.decode()[-2000:])
     assert done.returncode != 0  # it still ends as terminated
+
+
+class _ServingEndpoint:
+    """A server with the connector that serves ``max_model_len`` tokens; records requests."""
+
+    max_model_len, model = 1024, "m"
+
+    def __init__(self, *args):
+        self.sent = []
+
+    def check(self, need_connector=True):
+        pass
+
+    def counters(self):
+        return {}
+
+    def complete(self, prompt, *args, **kwargs):
+        self.sent.append(prompt)
+        raise AssertionError("nothing may be sent for a workload that cannot fit")
+
+
+def test_a_workload_file_prompt_longer_than_the_server_serves_is_named(
+    tmp_path, monkeypatch, capsys
+):
+    """Seen: a file of 8K prompts against a server sized for 4K failed on every request with
+    a bare HTTP 400 traceback. Now the prompt that does not fit is named before anything is
+    sent."""
+    f = tmp_path / "long.jsonl"
+    f.write_text(
+        json.dumps({"prompt": "short", "group": "g", "role": "donor"})
+        + "\n"
+        + json.dumps({"prompt": "word " * 1500, "group": "g"})
+        + "\n"
+    )
+    endpoint = _ServingEndpoint()
+    monkeypatch.setattr(cli, "Endpoint", lambda *a: endpoint)
+    monkeypatch.setattr(cli, "_sizer", lambda tokenizer: W.Sizer())
+    assert cli.main(["--base-url", "http://127.0.0.1:9", "--workload-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "group 'g'" in err and "1875 tokens" in err and "992" in err, err
+    assert endpoint.sent == []
+
+
+def test_launch_sizes_its_server_for_the_workload_files_longest_prompt(tmp_path, monkeypatch):
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"prompt": "word " * 4000, "group": "g"}) + "\n")  # 5,000 tokens
+    sized = {}
+
+    class Server:
+        url, served_name = "http://127.0.0.1:9", "m"
+
+        def __init__(self, model, kv, args, log, max_model_len):
+            sized["max_model_len"] = max_model_len
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    from semshare_vllm.testbed import server
+
+    monkeypatch.setattr(server, "VllmServer", Server)
+    monkeypatch.setattr(cli, "Endpoint", _ServingEndpoint)
+    monkeypatch.setattr(cli, "bench", lambda *a: 0)
+    monkeypatch.setattr(cli, "_sizer", lambda tokenizer: W.Sizer())
+    assert cli.main(["--launch", "--model", str(tmp_path), "--workload-file", str(f)]) == 0
+    assert sized["max_model_len"] >= 5000 + 32
