@@ -208,7 +208,7 @@ def _is_tail(positions: torch.Tensor, context: int) -> bool:
 def _cpu_attention(lay: _Layer, q, k, v, slots, block_ids, positions) -> torch.Tensor:
     """CPU_ATTN layouts: vLLM's own ops write K/V and attend over the paged cache, as a
     prefill does (faster than SDPA over gathered K/V, for a prefill's positions and for
-    scattered ones: docs/benchmarks.md, "Selective recompute")."""
+    scattered ones: docs/benchmarks.md, "Scattered positions through vLLM's CPU kernel")."""
     cpu_attention.write_kv(lay.cache, k.contiguous(), v.contiguous(), slots, lay.cpu_isa)
     return cpu_attention.causal_attention(
         lay.cache, q, positions.cpu().numpy(), block_ids, lay.scale, lay.cpu_isa
