@@ -54,12 +54,11 @@ def causal_attention(
     num_kv_heads, block_size = cache.shape[1], cache.shape[2]
     q_len, num_heads, head_size = q.shape
     positions = np.asarray(positions, dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    starts = torch.from_numpy(np.concatenate([[0], breaks, [q_len]]).astype(np.int32))
-    ends = np.concatenate([breaks, [q_len]])  # one past each run's last query
+    ends = np.append(np.flatnonzero(np.diff(positions) != 1) + 1, q_len)  # past each run's last
+    starts = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32))
     seq_lens = torch.from_numpy((positions[ends - 1] + 1).astype(np.int32))
     blocks = -(-int(positions[-1] + 1) // block_size)
-    table = torch.tensor([block_ids[:blocks]], dtype=torch.int32).expand(len(seq_lens), blocks)
+    table = torch.tensor(block_ids[:blocks], dtype=torch.int32).repeat(len(ends), 1)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(seq_lens),
         num_heads=num_heads,
@@ -85,7 +84,7 @@ def causal_attention(
         causal=True,
         alibi_slopes=None,
         sliding_window=-1,
-        block_table=table.contiguous(),
+        block_table=table,
         softcap=0.0,
         scheduler_metadata=meta,
         s_aux=None,
