@@ -20,6 +20,7 @@ import torch
 
 from semshare_vllm.core.keys import DonorKey, donor_id_for
 from semshare_vllm.recompute.layer_runner import LayerRunner
+from semshare_vllm.recompute.policy import Selection
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
 from semshare_vllm.vllm_compat import cpu_attention, model_hook
@@ -151,6 +152,74 @@ def test_a_chunked_layer_reproduces_vllms_kv_and_the_unchunked_runners_output(ll
 
 def _count_positions(calls, module, args, out):
     calls.append(len(args[0]))
+
+
+def _count_calls(calls, module, args):
+    calls.append(len(args[0]))
+
+
+class _RecordingProbe(Selection):
+    """Measures every position at layer 1 (deviation, the last tokens' attention), keeps every
+    fourth from there, and holds what layer 1 measured."""
+
+    window = 32
+
+    def wants_probe(self, layer):
+        return layer == 1, layer == 1
+
+    def narrows_at(self, layer):
+        return layer == 1
+
+    def after_layer(self, probe):
+        if probe.layer != 1:
+            return None
+        self.probe = probe
+        return np.arange(0, len(probe.positions), 4)
+
+
+def test_a_probe_in_chunks_measures_and_repairs_as_one_pass(llm, worker, cases):
+    """The narrowing layer's probe (every position's K/V) runs in the runner's chunks, its last
+    chunk holding the last tokens whose attention it sums: the same deviation, attention and
+    repaired KV as one pass over every position."""
+    prompt = cases["kv"][0]
+    n = len(prompt)
+    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
+    needed = -(-n // worker.geometry.block_size)
+    blocks = list(range(needed))
+    model = worker.kv.repairer.runner.model
+    garbled = np.sort(np.random.default_rng(2).choice(n, n // 3, replace=False))
+    chunk = 48
+    assert n > 2 * chunk, "the prompt must span several chunks"
+    noise = torch.randn(
+        (2, len(garbled), *want.shape[3:]), generator=torch.Generator().manual_seed(3)
+    )
+    seen = {}
+    for size in (None, chunk):
+        caches, names = private_caches(worker, num_blocks=needed)
+        for layer, name in enumerate(names):  # vLLM's KV, a third of it garbled
+            k, v = want[layer, 0].clone(), want[layer, 1].clone()
+            k[garbled], v[garbled] = noise[0].to(k.dtype), noise[1].to(v.dtype)
+            worker.kv.layout.write_range(caches[name], blocks, 0, k, v)
+        runner = LayerRunner(model, caches, worker.kv.layout, chunk_tokens=size)
+        calls: list[int] = []  # layer 1's calls, by how many positions each took
+        hook = runner.layers[1].decoder.module.register_forward_pre_hook(
+            functools.partial(_count_calls, calls)
+        )
+        selection = _RecordingProbe(np.arange(n))
+        try:
+            runner.recompute(prompt, blocks, selection)
+        finally:
+            hook.remove()
+        seen[size] = (selection.probe, cache_kv(worker, caches, names, blocks, n), calls)
+    (one, kv_one, calls_one), (chunked, kv_chunked, calls_chunked) = seen[None], seen[chunk]
+    kept = len(range(0, n, 4))
+    assert calls_one == [n, kept]  # the probe over every position, then the kept ones
+    last = n % chunk if n % chunk >= _RecordingProbe.window else n % chunk + chunk
+    assert calls_chunked == [chunk] * ((n - last) // chunk) + [last, kept]
+    np.testing.assert_allclose(chunked.deviation, one.deviation, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(chunked.attention, one.attention, rtol=1e-4, atol=1e-6)
+    assert one.deviation[garbled].min() > one.deviation[np.setdiff1d(np.arange(n), garbled)].max()
+    torch.testing.assert_close(kv_chunked, kv_one, atol=1e-5, rtol=1e-5)
 
 
 def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases, monkeypatch):

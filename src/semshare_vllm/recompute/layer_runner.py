@@ -33,7 +33,8 @@ paged cache, each run of consecutive positions as one of the kernel's requests
 is torch SDPA over the K/V gathered from the paged cache, in causal chunks (``attend``). A
 layer over a prefill's positions (layer 0 takes every loaded one) runs in chunks of
 ``chunk_tokens`` (vLLM's ``max_num_batched_tokens``), in order, as vLLM's chunked prefill runs
-it. Only the model's modules are used, so any decoder with the Llama structure
+it; so does the probe of the layer where the selection narrows (``_probe_pass``). Only the
+model's modules are used, so any decoder with the Llama structure
 works: Llama, Mistral, Qwen2, Qwen3 (q/k norms inside its own attention forward). The model's
 structure is read through ``vllm_compat.decoder_layers``; anything else raises
 ``UnsupportedModel`` at start-up.
@@ -337,10 +338,8 @@ class LayerRunner:
             )
             counts[index] += len(pos_np)
             if probe_first:
-                # Every position's K/V first (norm + qkv only; the layer mutates its inputs in
-                # place, hence the copies), then the full layer for those the selection keeps.
-                with attention_replaced(lay.decoder, stand_in), contextlib.suppress(_Probed):
-                    lay.decoder(pos, hidden.clone(), None if residual is None else residual.clone())
+                # Every position's K/V first, then the full layer for those the selection keeps.
+                stand_in = self._probe_pass(stand_in, hidden, residual)
             elif self._chunks(pos, context, want_dev or want_attn):
                 hidden, residual, chunk_fault = self._in_chunks(
                     lay, block_ids, pos, all_slots, hidden, residual
@@ -384,6 +383,46 @@ class LayerRunner:
         if final_hidden and not selection.declined and not stopped:
             final = self.stack.final_norm(hidden, residual)
         return RecomputeResult(pos_np, final, counts, spent, stopped)
+
+    def _probe_pass(
+        self, whole: _RecomputeAttention, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> _RecomputeAttention:
+        """Every position of ``whole`` (a probe-only stand-in) through the layer's norm and
+        qkv: K/V written and measured, nothing attended but the last tokens' queries. The layer
+        mutates its inputs in place, hence the copies. In chunks of ``chunk_tokens``, as vLLM's
+        prefill and layer 0 run: over all 8K positions at once, its tensors were 2x the size of
+        any that vLLM's own chunks had freed, each on fresh pages (30,000-45,000 page faults,
+        a 200-500 ms layer; docs/benchmarks.md, "Page faults in the hit path"). The last chunk
+        holds the last tokens, and attends after every other chunk has written. ``whole``
+        comes back holding what the chunks measured."""
+        pos, n, tail = whole.positions, len(whole.positions), whole.tail
+        starts = list(range(0, n, self.chunk_tokens or n))
+        if len(starts) > 1 and n - starts[-1] < tail:
+            starts.pop()  # (a last chunk shorter than the window joins the one before)
+        parts = []
+        for lo, hi in zip(starts, starts[1:] + [n]):
+            part = _RecomputeAttention(
+                whole.layer,
+                whole.block_ids,
+                pos[lo:hi],
+                whole.slots[lo:hi],
+                whole.context,
+                whole.want_deviation,
+                tail if hi == n else 0,
+                probe_only=True,
+            )
+            with attention_replaced(whole.layer.decoder, part), contextlib.suppress(_Probed):
+                whole.layer.decoder(
+                    part.positions,
+                    hidden[lo:hi].clone(),
+                    None if residual is None else residual[lo:hi].clone(),
+                )
+            whole.fault = whole.fault or part.fault
+            whole.attention = part.attention
+            parts.append(part.deviation_parts)
+        if whole.want_deviation and all(p is not None for p in parts):
+            whole.deviation_parts = tuple(torch.cat(halves) for halves in zip(*parts))
+        return whole
 
     def _chunks(self, pos: torch.Tensor, context: int, probed: bool) -> bool:
         """Whether this layer call goes in chunks: no probe taken, more positions than a
