@@ -124,11 +124,7 @@ def test_model_hook_reaches_the_loaded_model(llm, worker):
 
 
 def test_a_chunked_layer_reproduces_vllms_kv_and_the_unchunked_runners_output(llm, worker, cases):
-    prompt = cases["kv"][0]
-    n = len(prompt)
-    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
-    needed = -(-n // worker.geometry.block_size)
-    blocks = list(range(needed))
+    prompt, n, want, needed, blocks = _first_kv_case(llm, worker, cases)
     model = worker.kv.repairer.runner.model
     finals = []
     for chunk in (None, 64):
@@ -148,6 +144,16 @@ def test_a_chunked_layer_reproduces_vllms_kv_and_the_unchunked_runners_output(ll
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
         finals.append(result.hidden)
     torch.testing.assert_close(finals[1], finals[0], atol=1e-4, rtol=1e-4)
+
+
+def _first_kv_case(llm, worker, cases):
+    """The first "kv" prompt captured: (prompt, its length, vLLM's KV of it, how many blocks
+    it needs, those blocks numbered from 0)."""
+    prompt = cases["kv"][0]
+    n = len(prompt)
+    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
+    needed = -(-n // worker.geometry.block_size)
+    return prompt, n, want, needed, list(range(needed))
 
 
 def _count_positions(calls, module, args, out):
@@ -181,11 +187,7 @@ def test_a_probe_in_chunks_measures_and_repairs_as_one_pass(llm, worker, cases):
     """The narrowing layer's probe (every position's K/V) runs in the runner's chunks, its last
     chunk holding the last tokens whose attention it sums: the same deviation, attention and
     repaired KV as one pass over every position."""
-    prompt = cases["kv"][0]
-    n = len(prompt)
-    want = donor_kv(worker, captured(llm, worker, cases, prompt), n)
-    needed = -(-n // worker.geometry.block_size)
-    blocks = list(range(needed))
+    prompt, n, want, needed, blocks = _first_kv_case(llm, worker, cases)
     model = worker.kv.repairer.runner.model
     garbled = np.sort(np.random.default_rng(2).choice(n, n // 3, replace=False))
     chunk = 48

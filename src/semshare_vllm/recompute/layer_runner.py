@@ -391,10 +391,10 @@ class LayerRunner:
         qkv: K/V written and measured, nothing attended but the last tokens' queries. The layer
         mutates its inputs in place, hence the copies. In chunks of ``chunk_tokens``, as vLLM's
         prefill and layer 0 run: over all 8K positions at once, its tensors were 2x the size of
-        any that vLLM's own chunks had freed, each on fresh pages (30,000-45,000 page faults,
-        a 200-500 ms layer; docs/benchmarks.md, "Page faults in the hit path"). The last chunk
-        holds the last tokens, and attends after every other chunk has written. ``whole``
-        comes back holding what the chunks measured."""
+        any that vLLM's own chunks had freed, each on fresh pages (about 20,000-30,000 page
+        faults; layer 1 took 113-499 ms; docs/benchmarks.md, "Page faults in the hit path"). The
+        last chunk holds the last tokens, and attends after every other chunk has written.
+        ``whole`` comes back holding what the chunks measured."""
         pos, n, tail = whole.positions, len(whole.positions), whole.tail
         starts = list(range(0, n, self.chunk_tokens or n))
         if len(starts) > 1 and n - starts[-1] < tail:
