@@ -156,11 +156,8 @@ def _first_kv_case(llm, worker, cases):
     return prompt, n, want, needed, list(range(needed))
 
 
-def _count_positions(calls, module, args, out):
-    calls.append(len(args[0]))
-
-
-def _count_calls(calls, module, args):
+def _count_positions(calls, module, args, out=None):
+    """A forward hook, or a pre-hook (no ``out``): how many positions the layer took."""
     calls.append(len(args[0]))
 
 
@@ -205,7 +202,7 @@ def test_a_probe_in_chunks_measures_and_repairs_as_one_pass(llm, worker, cases):
         runner = LayerRunner(model, caches, worker.kv.layout, chunk_tokens=size)
         calls: list[int] = []  # layer 1's calls, by how many positions each took
         hook = runner.layers[1].decoder.module.register_forward_pre_hook(
-            functools.partial(_count_calls, calls)
+            functools.partial(_count_positions, calls)
         )
         selection = _RecordingProbe(np.arange(n))
         try:
