@@ -2,10 +2,13 @@
 `semshare-bench` workload, its cold TTFT (opted out, own salt), then the hit's end-to-end time
 (non-streamed, one token: the response carries the connector's provenance) with its timings
 (`search`, `align`, `load`, `recompute`) and the recompute's time per layer of the model; then
-the CPUs each of the server's threads may run on, per process.
+the CPUs each of the server's threads may run on, per process. The server runs vLLM's defaults
+(prefix caching on, its default block size), as `semshare-bench --launch` does; `--server-args`
+adds `vllm serve` flags.
 
     .venv/bin/python benchmarks/hit_layers.py [--size 2048] [--workload doc-qa] [--groups 1]
         [--extra-config '{"recompute_error_bound": 0.01}']
+        [--server-args "--block-size 32 --no-enable-prefix-caching"]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shlex
 import tempfile
 import time
 import uuid
@@ -33,13 +37,21 @@ def main() -> None:
     parser.add_argument("--workload", default="doc-qa")
     parser.add_argument("--groups", type=int, default=1)
     parser.add_argument("--extra-config", type=json.loads, default={})
+    parser.add_argument("--server-args", default="", help="more vllm serve flags, one string")
     args = parser.parse_args()
     requests = build(args.workload, args.groups, args.size, Sizer(models.smollm2_tokenizer()))
     kv = dict(SEMSHARE, kv_connector_extra_config=args.extra_config)
     log = Path(tempfile.mkdtemp(prefix="hit-layers-")) / "vllm-serve.log"
     with (
         stop_servers_on_terminate(),
-        VllmServer(models.smollm2(), kv, ["--block-size", "32"], log, max_model_len=8192) as srv,
+        VllmServer(
+            models.smollm2(),
+            kv,
+            shlex.split(args.server_args),
+            log,
+            max_model_len=8192,
+            prefix_caching=True,
+        ) as srv,
     ):
         endpoint = Endpoint(srv.url, srv.served_name)
         groups = collections.defaultdict(list)

@@ -5,7 +5,10 @@ is still right, against a vLLM server running the SemShare connector.
     semshare-bench --launch --context-tokens 1024 2048 --out results.json --plots plots/
 
 ``--launch`` starts a local ``vllm serve`` with the connector on loopback (the packaged
-SmolLM2-135M unless ``--model`` names another), runs, and stops it by PID. Cold figures come
+SmolLM2-135M unless ``--model`` names another), runs, and stops it by PID. It serves as users
+run vLLM: its prefix caching on and its default block size (``--server-args`` adds or
+overrides ``vllm serve`` flags, e.g. ``"--block-size 32 --no-enable-prefix-caching"`` to
+isolate the connector). Cold figures come
 from the same server with the connector opted out per request (``kv_transfer_params``) under a
 fresh ``cache_salt``, so vLLM's own prefix cache does not serve them either.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -80,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--launch: connector keys as JSON (kv_connector_extra_config)",
     )
     p.add_argument(
+        "--server-args",
+        default="",
+        help="--launch: more vllm serve flags, one string (default: none, vLLM's own defaults, "
+        'as users run it; e.g. "--block-size 32 --no-enable-prefix-caching")',
+    )
+    p.add_argument(
         "--no-perplexity",
         dest="perplexity",
         action="store_false",
@@ -142,6 +152,8 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
     rows: dict[int, list] = {}
     config = {k: v for k, v in vars(args).items() if k != "workload_names"}
     config["model"] = endpoint.model
+    config["server_cache"] = endpoint.cache_config()
+    print(f"server {endpoint.url}: {_describe(config['server_cache'])}")
     interrupted = False
     limit = endpoint.max_model_len and endpoint.max_model_len - args.max_tokens
     if args.workload_file:  # checked before anything is sent
@@ -213,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _describe(cache: dict[str, str]) -> str:
+    if not cache:
+        return "cache configuration not reported"
+    caching = {"True": "on", "False": "off"}.get(cache.get("enable_prefix_caching", ""), "?")
+    return f"prefix caching {caching}, block size {cache.get('block_size', '?')}"
+
+
 def _sizer(tokenizer: str | None) -> Sizer:
     if not tokenizer:
         return Sizer()
@@ -243,7 +262,14 @@ def _launched(args: argparse.Namespace) -> int:
     print(f"starting vllm serve {model} with the SemShare connector (log: {log})")
     with (
         stop_servers_on_terminate(),
-        VllmServer(model, kv, ["--block-size", "32"], log, max_model_len=max_model_len) as server,
+        VllmServer(
+            model,
+            kv,
+            shlex.split(args.server_args),
+            log,
+            max_model_len=max_model_len,
+            prefix_caching=True,  # vLLM's default; --server-args may turn it off
+        ) as server,
     ):
         endpoint = Endpoint(server.url, server.served_name)
         endpoint.check()

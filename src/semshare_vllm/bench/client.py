@@ -32,6 +32,9 @@ _HISTOGRAM = re.compile(r"^vllm:semshare_(\w+_(?:sum|count))\{(?![^}]*layer=)[^}
 _LAYER_HISTOGRAM = re.compile(
     r'^vllm:semshare_(\w+_(?:sum|count))\{[^}]*\blayer="(\d+)"[^}]*\} (\S+)$', re.M
 )
+# vLLM's CacheConfig as an info gauge: one label per field
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 class Endpoint:
@@ -82,6 +85,18 @@ class Endpoint:
         for name, layer, value in _LAYER_HISTOGRAM.findall(text):
             out[f"{name}/{layer}"] = out.get(f"{name}/{layer}", 0.0) + float(value)
         return out
+
+    def cache_config(self) -> dict[str, str]:
+        """What the server caches KV with, from vLLM's ``vllm:cache_config_info``:
+        ``block_size`` and ``enable_prefix_caching`` (as vLLM prints them; {} where the server
+        does not say), so that every result names the configuration it was measured in."""
+        try:
+            text = requests.get(self.url + "/metrics", timeout=10).text
+        except requests.RequestException:
+            return {}
+        found = _CACHE_INFO.search(text)
+        labels = dict(_LABEL.findall(found.group(1))) if found else {}
+        return {k: labels[k] for k in ("block_size", "enable_prefix_caching") if k in labels}
 
     def complete(
         self,

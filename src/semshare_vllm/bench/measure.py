@@ -58,6 +58,14 @@ class Measured:
         return self.prompt_tokens > 0 and self.connector_tokens >= 0.5 * self.prompt_tokens
 
     @property
+    def vllm_cached(self) -> bool:
+        """Not a hit: vLLM's own prefix cache served at least half of the prompt (the served
+        request's cached tokens less the connector's; with prefix caching on, the next turn of
+        a chat is vLLM's to serve, and neither a hit nor a miss of ours)."""
+        cached = (self.served.cached_tokens or 0) - self.connector_tokens
+        return not self.hit and self.prompt_tokens > 0 and cached >= 0.5 * self.prompt_tokens
+
+    @property
     def perplexity_ratio(self) -> float | None:
         """The reference's perplexity after a hit over its perplexity cold (None unless the
         target and its scoring request were both hits: after a miss, the scoring request reuses

@@ -230,7 +230,12 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     assert result["complete"] and result["config"]["context_tokens"] == [512]
     by = result["results"]["512"]["workloads"]
     assert set(by) == set(W.WORKLOADS)
-    for name in ("cross-instruction", "rag-reorder", "doc-qa", "multi-turn"):
+    # as users run vLLM (prefix caching on, its default block size): the next turn of a chat
+    # is served by vLLM's own cache, the other workloads share no prefix with their donors
+    served_as = {"block_size": "128", "enable_prefix_caching": "True"}
+    assert result["config"]["server_cache"] == served_as
+    assert by["multi-turn"]["vllm_cache_rate"] > 0, by["multi-turn"]
+    for name in ("cross-instruction", "rag-reorder", "doc-qa"):
         assert by[name]["hits"] >= 1, (name, by[name])
         assert by[name]["semshare_hits"]["median_ttft_ms"] > 0
         assert by[name]["cold"]["median_ttft_ms"] > 0 and by[name]["hit_only_speedup"] > 0
@@ -322,10 +327,13 @@ def test_a_terminated_launched_bench_stops_its_server(tmp_path):
 class _ServingEndpoint:
     """A server with the connector that serves ``max_model_len`` tokens; records requests."""
 
-    max_model_len, model = 1024, "m"
+    max_model_len, model, url = 1024, "m", "http://127.0.0.1:9"
 
     def __init__(self, *args):
         self.sent = []
+
+    def cache_config(self):
+        return {}
 
     def check(self, need_connector=True):
         pass
@@ -368,7 +376,7 @@ def test_launch_sizes_its_server_for_the_workload_files_longest_prompt(tmp_path,
     class Server:
         url, served_name = "http://127.0.0.1:9", "m"
 
-        def __init__(self, model, kv, args, log, max_model_len):
+        def __init__(self, model, kv, args, log, max_model_len, prefix_caching):
             sized["max_model_len"] = max_model_len
 
         def __enter__(self):
@@ -385,3 +393,85 @@ def test_launch_sizes_its_server_for_the_workload_files_longest_prompt(tmp_path,
     monkeypatch.setattr(cli, "_sizer", lambda tokenizer: W.Sizer())
     assert cli.main(["--launch", "--model", str(tmp_path), "--workload-file", str(f)]) == 0
     assert sized["max_model_len"] >= 5000 + 32
+
+
+def _launched_with(monkeypatch, tmp_path, *argv) -> dict:
+    """What ``--launch`` would start ``vllm serve`` with (the server stood in for)."""
+    started = {}
+
+    class Server:
+        url, served_name = "http://127.0.0.1:9", "m"
+
+        def __init__(self, model, kv, args, log, max_model_len, prefix_caching):
+            started.update(args=args, prefix_caching=prefix_caching)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    from semshare_vllm.testbed import server
+
+    monkeypatch.setattr(server, "VllmServer", Server)
+    monkeypatch.setattr(cli, "Endpoint", _ServingEndpoint)
+    monkeypatch.setattr(cli, "bench", lambda *a: 0)
+    monkeypatch.setattr(cli, "_sizer", lambda tokenizer: W.Sizer())
+    assert cli.main(["--launch", "--model", str(tmp_path), *argv]) == 0
+    return started
+
+
+def test_launch_serves_as_users_run_vllm(tmp_path, monkeypatch):
+    """Seen: every ``--launch`` figure came from a server with prefix caching off and block
+    size 32, not the configuration users run. Now vLLM's defaults, unless asked otherwise."""
+    assert _launched_with(monkeypatch, tmp_path) == {"args": [], "prefix_caching": True}
+    isolated = _launched_with(
+        monkeypatch, tmp_path, "--server-args", "--block-size 32 --no-enable-prefix-caching"
+    )
+    assert isolated["args"] == ["--block-size", "32", "--no-enable-prefix-caching"]
+
+
+def test_the_endpoint_names_the_servers_cache_configuration(monkeypatch):
+    from semshare_vllm.bench import client
+
+    text = "\n".join(
+        [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            'vllm:cache_config_info{block_size="128",cache_dtype="auto",'
+            'enable_prefix_caching="True",engine="0"} 1.0',
+            'vllm:semshare_hits_total{engine="0",model_name="m"} 2.0',
+        ]
+    )
+    monkeypatch.setattr(client.requests, "get", lambda *a, **k: type("R", (), {"text": text})())
+    cache = client.Endpoint("http://x", model="m").cache_config()
+    assert cache == {"block_size": "128", "enable_prefix_caching": "True"}
+    assert cli._describe(cache) == "prefix caching on, block size 128"
+    assert cli._describe({}) == "cache configuration not reported"
+
+
+def test_a_prompt_served_by_vllms_own_cache_is_neither_hit_nor_miss():
+    """With prefix caching on, vLLM serves the next turn of a chat from its own cache: the
+    served request's cached tokens come from vLLM, not the connector. Counted as a miss, its
+    speed-up read as a negative miss overhead of ours."""
+    from semshare_vllm.bench import report
+    from semshare_vllm.bench.client import Completion
+    from semshare_vllm.bench.measure import Measured
+
+    def target(served_cached: int, connector: int) -> Measured:
+        request = W.BenchRequest("w", "g", "target", "prompt")
+        return Measured(
+            request,
+            cold=Completion("a", 1.0, 1.1, 0, 100),
+            served=Completion("a", 0.2 if served_cached else 1.02, 0.3, served_cached, 100),
+            connector_tokens=connector,
+        )
+
+    by_vllm, hit, miss = target(96, 0), target(99, 99), target(0, 0)
+    assert by_vllm.vllm_cached and not by_vllm.hit
+    assert hit.hit and not hit.vllm_cached and not miss.vllm_cached
+    s = report.summarize([by_vllm, hit, miss])["w"]
+    assert s["hits"] == 1 and s["vllm_cache_rate"] == pytest.approx(1 / 3)
+    assert s["miss_overhead"] == pytest.approx(0.02)  # the one real miss only
+    assert report.request_rows([by_vllm])[0]["vllm_cached"] is True
+    line = report.table({512: {"w": s}}).splitlines()[2]
+    assert line.startswith("| 512 | w | 3 | 33% | 33% |")
