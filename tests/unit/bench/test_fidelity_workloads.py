@@ -365,3 +365,18 @@ def test_plots_at_one_size_draw_bars_per_workload(tmp_path):
     names = sorted(p.name for p in written)
     assert names == ["ttft_by_workload_2048.png", "ttft_vs_context.png"]
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_the_report_counts_the_hits_that_answered_as_cold():
+    """A median ROUGE-L of 1.00 hid hits that parted from cold (6 of 36 in one run): the report
+    says how many hits gave cold's very text, and the lowest ROUGE-L among them."""
+    same = [_measured("It premiered in 1985.", "It premiered in 1985.") for _ in range(3)]
+    parted = _measured("It premiered in 1985.", "It premiered in 1985 and closed.")
+    other = _measured("It premiered in 1985.", "Nobody knows")
+    s = report.summarize([*same, parted, other])["entity-swap"]
+    assert s["as_cold_hits"] == 3 and s["rouge_l_hits_min"] == pytest.approx(0.0)
+    assert s["rouge_l_hits"] == pytest.approx(1.0)  # the median alone says all is well
+    lines = report.table({512: {"entity-swap": s}}).splitlines()
+    assert "| hits as cold (lowest ROUGE-L) |" in lines[0]
+    assert "| 3 / 5 (0.00) |" in lines[2]
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
