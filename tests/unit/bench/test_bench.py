@@ -368,33 +368,6 @@ def test_a_workload_file_prompt_longer_than_the_server_serves_is_named(
     assert endpoint.sent == []
 
 
-def test_launch_sizes_its_server_for_the_workload_files_longest_prompt(tmp_path, monkeypatch):
-    f = tmp_path / "long.jsonl"
-    f.write_text(json.dumps({"prompt": "word " * 4000, "group": "g"}) + "\n")  # 5,000 tokens
-    sized = {}
-
-    class Server:
-        url, served_name = "http://127.0.0.1:9", "m"
-
-        def __init__(self, model, kv, args, log, max_model_len, prefix_caching):
-            sized["max_model_len"] = max_model_len
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    from semshare_vllm.testbed import server
-
-    monkeypatch.setattr(server, "VllmServer", Server)
-    monkeypatch.setattr(cli, "Endpoint", _ServingEndpoint)
-    monkeypatch.setattr(cli, "bench", lambda *a: 0)
-    monkeypatch.setattr(cli, "_sizer", lambda tokenizer: W.Sizer())
-    assert cli.main(["--launch", "--model", str(tmp_path), "--workload-file", str(f)]) == 0
-    assert sized["max_model_len"] >= 5000 + 32
-
-
 def _launched_with(monkeypatch, tmp_path, *argv) -> dict:
     """What ``--launch`` would start ``vllm serve`` with (the server stood in for)."""
     started = {}
@@ -403,7 +376,7 @@ def _launched_with(monkeypatch, tmp_path, *argv) -> dict:
         url, served_name = "http://127.0.0.1:9", "m"
 
         def __init__(self, model, kv, args, log, max_model_len, prefix_caching):
-            started.update(args=args, prefix_caching=prefix_caching)
+            started.update(args=args, prefix_caching=prefix_caching, max_model_len=max_model_len)
 
         def __enter__(self):
             return self
@@ -421,10 +394,18 @@ def _launched_with(monkeypatch, tmp_path, *argv) -> dict:
     return started
 
 
+def test_launch_sizes_its_server_for_the_workload_files_longest_prompt(tmp_path, monkeypatch):
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"prompt": "word " * 4000, "group": "g"}) + "\n")  # 5,000 tokens
+    started = _launched_with(monkeypatch, tmp_path, "--workload-file", str(f))
+    assert started["max_model_len"] >= 5000 + 32
+
+
 def test_launch_serves_as_users_run_vllm(tmp_path, monkeypatch):
     """Seen: every ``--launch`` figure came from a server with prefix caching off and block
     size 32, not the configuration users run. Now vLLM's defaults, unless asked otherwise."""
-    assert _launched_with(monkeypatch, tmp_path) == {"args": [], "prefix_caching": True}
+    started = _launched_with(monkeypatch, tmp_path)
+    assert started["args"] == [] and started["prefix_caching"] is True
     isolated = _launched_with(
         monkeypatch, tmp_path, "--server-args", "--block-size 32 --no-enable-prefix-caching"
     )
