@@ -137,7 +137,7 @@ class _Progress:
         self.hits += m.hit
         self.bar.set_postfix_str(
             f"{m.request.workload}: cold {m.cold.ttft_s * 1e3:.0f} ms, served "
-            f"{m.served.ttft_s * 1e3:.0f} ms ({'hit' if m.hit else 'miss'}); "
+            f"{m.served.ttft_s * 1e3:.0f} ms ({_kind(m)}); "
             f"hits {self.hits}/{done}",
             refresh=False,
         )
@@ -145,6 +145,14 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _kind(m: Measured) -> str:
+    if m.hit:
+        return "hit"
+    if m.declined:
+        return "declined"
+    return "vLLM's cache" if m.vllm_cached else "miss"
 
 
 def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:

@@ -40,6 +40,9 @@ class Measured:
     # figures did not arrive): its recompute share, and whether the gate escalated it
     recompute_share: float | None = None
     escalated: bool | None = None
+    # the connector claimed it, then declined its repair (``recompute_decline_share``): vLLM
+    # computed the prompt, so it is no hit, and what trying cost shows in its TTFT
+    declined: bool = False
     # where the served request's time went, as its provenance reports it (ms, by part of
     # ``TIMINGS``; a part missing: it did not run, or its figure did not arrive)
     timings: dict[str, float] = field(default_factory=dict)
@@ -53,9 +56,14 @@ class Measured:
         return self.served.prompt_tokens or self.cold.prompt_tokens or 0
 
     @property
-    def hit(self) -> bool:
-        """The connector served at least half of the prompt."""
+    def claimed(self) -> bool:
+        """The connector claimed at least half of the prompt."""
         return self.prompt_tokens > 0 and self.connector_tokens >= 0.5 * self.prompt_tokens
+
+    @property
+    def hit(self) -> bool:
+        """The connector served at least half of the prompt: claimed it, and did not decline."""
+        return self.claimed and not self.declined
 
     @property
     def vllm_cached(self) -> bool:
@@ -63,7 +71,7 @@ class Measured:
         request's cached tokens less the connector's; with prefix caching on, the next turn of
         a chat is vLLM's to serve, and neither a hit nor a miss of ours)."""
         cached = (self.served.cached_tokens or 0) - self.connector_tokens
-        return not self.hit and self.prompt_tokens > 0 and cached >= 0.5 * self.prompt_tokens
+        return not self.claimed and self.prompt_tokens > 0 and cached >= 0.5 * self.prompt_tokens
 
     @property
     def perplexity_ratio(self) -> float | None:
@@ -134,8 +142,8 @@ def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completio
 
 def _repair_figures(m: "Measured", metrics: dict) -> None:
     """The served request's repair from the metrics' change over it (the bench sends one
-    request at a time there): whether the gate escalated it (or declined it: a declined load
-    escalated first), and the provenance's ``served_recompute_share`` histogram's one
+    request at a time there): whether the gate escalated it, whether the repair was declined,
+    and the provenance's ``served_recompute_share`` histogram's one
     observation (none for a declined load: vLLM computed it), and its time breakdown's (one
     observation of each ``served_<part>_ms``, and of ``served_recompute_layer_ms`` per
     layer)."""
@@ -148,6 +156,7 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
         m.escalated = delta("recompute_escalated_loads") > 0
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
+    m.declined = delta("recompute_declined") > 0
     for part in TIMINGS:
         if delta(f"served_{part}_ms_count") == 1:
             m.timings[part] = delta(f"served_{part}_ms_sum")

@@ -41,7 +41,8 @@ def summarize(results: list[Measured]) -> dict:
     for name in dict.fromkeys(m.request.workload for m in results):
         rows = [m for m in results if m.request.workload == name]
         hits = [m for m in rows if m.hit]
-        misses = [m for m in rows if not m.hit and not m.vllm_cached]
+        declined = [m for m in rows if m.declined]
+        misses = [m for m in rows if not m.claimed and not m.vllm_cached]
         checked = [m for m in rows if m.request.answer]
         summary = {
             "targets": len(rows),
@@ -49,6 +50,11 @@ def summarize(results: list[Measured]) -> dict:
             "hit_rate": len(hits) / len(rows),
             # served by vLLM's own prefix cache instead (neither hits nor misses)
             "vllm_cache_rate": _mean([m.vllm_cached for m in rows]),
+            # claimed, then declined (vLLM computed them): how many, and their TTFT over cold's
+            "declined": len(declined),
+            "declined_cost": _ratio(
+                [m.served.ttft_s for m in declined], [m.cold.ttft_s for m in declined]
+            ),
             "median_prompt_tokens": statistics.median(m.prompt_tokens for m in rows),
             "reused_share_of_hits": statistics.median(
                 m.connector_tokens / m.prompt_tokens for m in hits
@@ -195,6 +201,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "prompt_tokens": m.prompt_tokens,
             "connector_tokens": m.connector_tokens,
             "vllm_cached": m.vllm_cached,
+            "declined": m.declined,
             "cached_tokens": m.served.cached_tokens,
             "hit": m.hit,
             "cold_ttft_ms": m.cold.ttft_s * 1e3,
@@ -225,12 +232,13 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def table(summaries: dict[int, dict[str, dict]]) -> str:
     """A console table: one row per context length and workload."""
     lines = [
-        "| context | workload | targets | hit rate | vLLM's cache | cold TTFT | hit TTFT "
+        "| context | workload | targets | hit rate | vLLM's cache | declined (TTFT / cold) "
+        "| cold TTFT | hit TTFT "
         "| hit-only speed-up | blended | miss overhead | ROUGE-L (hits) | ROUGE-L noise floor "
         "| hits as cold (lowest ROUGE-L) | PPL ratio (hits) "
         "| accuracy (served / cold) | donor value (of cold right) | recompute share (hits) "
         "| escalated (hits) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
@@ -242,6 +250,7 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
             lines.append(
                 f"| {tokens:,} | {name} | {s['targets']} | {s['hit_rate']:.0%} | "
                 f"{_fmt(s.get('vllm_cache_rate'), '.0%')} | "
+                f"{_declined_cell(s)} | "
                 f"{_fmt(s['cold'].get('median_ttft_ms'), '.0f', ' ms')} | "
                 f"{_fmt(s['semshare_hits'].get('median_ttft_ms'), '.0f', ' ms')} | "
                 f"{_fmt(s['hit_only_speedup'], '.2f', 'x')} | "
@@ -287,6 +296,12 @@ def layers_table(summaries: dict[int, dict[str, dict]]) -> str:
                 cells = " ".join(_fmt(ms, ".0f") for ms in layers)
                 lines.append(f"| {tokens:,} | {name} | {cells} |")
     return "\n".join(lines)
+
+
+def _declined_cell(s: dict) -> str:
+    if not s.get("declined"):
+        return "-"
+    return f"{s['declined']} ({s['declined_cost']:.2f}x)"
 
 
 def _as_cold_cell(s: dict) -> str:

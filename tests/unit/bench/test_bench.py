@@ -456,3 +456,35 @@ def test_a_prompt_served_by_vllms_own_cache_is_neither_hit_nor_miss():
     assert report.request_rows([by_vllm])[0]["vllm_cached"] is True
     line = report.table({512: {"w": s}}).splitlines()[2]
     assert line.startswith("| 512 | w | 3 | 33% | 33% |")
+
+
+def test_a_declined_load_is_neither_hit_nor_miss_and_its_cost_is_reported():
+    """Seen: 2K rag-reorder's two loads were declined (vLLM computed them, 1.26x of cold), yet
+    the report said "hit rate 100%", "hits as cold 2 / 2" and a hit-only speed-up of 0.80x.
+    A declined load is no hit: it is counted apart, with its TTFT over cold's."""
+    from semshare_vllm.bench import report
+    from semshare_vllm.bench.client import Completion
+    from semshare_vllm.bench.measure import Measured, _repair_figures
+
+    def target(served_s: float, declined: int) -> Measured:
+        m = Measured(
+            W.BenchRequest("w", "g", "target", "prompt"),
+            cold=Completion("a", 1.0, 1.1, 0, 100),
+            served=Completion("a", served_s, served_s + 0.1, 99, 100),
+            connector_tokens=99,
+        )
+        counts = {"recompute_declined": declined, "recompute_escalated_loads": declined}
+        _repair_figures(m, {"before": {}, "after": counts})
+        return m
+
+    declined, hit = target(1.25, 1), target(0.25, 0)
+    assert declined.declined and not declined.hit and not declined.vllm_cached
+    assert hit.hit and not hit.declined
+    s = report.summarize([declined, hit])["w"]
+    assert (s["hits"], s["declined"]) == (1, 1)
+    assert s["declined_cost"] == pytest.approx(1.25)
+    assert s["hit_only_speedup"] == pytest.approx(4.0) and s["miss_overhead"] is None
+    assert s["as_cold_hits"] == 1
+    line = report.table({512: {"w": s}}).splitlines()[2]
+    assert line.startswith("| 512 | w | 2 | 50% | 0% | 1 (1.25x) |")
+    assert report.request_rows([declined])[0]["declined"] is True
