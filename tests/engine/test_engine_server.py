@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from support.thread_cores import connector_threads_off_the_compute_core
 
 from semshare_vllm.store import donor_file
 from semshare_vllm.testbed import models
@@ -96,8 +97,6 @@ def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, m
     donor is found by the embedder, off the scheduler thread, in the request's own namespace
     only; the request itself is computed as usual (nothing exact to reuse)."""
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
-    # the worker in its own process, as users run vLLM (this suite runs engines in-process)
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     cfg = dict(
         SEMSHARE,
         kv_connector_extra_config={"host_store_bytes": "512MiB", "lookup_deadline_ms": 5000},
@@ -121,23 +120,6 @@ def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, m
     assert stats["semantic_lookups"] == 2
     assert "lookup_timeouts" not in stats and "discovery_faults" not in stats
     connector_threads_off_the_compute_core(cores)
-
-
-def connector_threads_off_the_compute_core(cores):
-    """vLLM-CPU binds the worker to its compute core(s) and reserves the connector's; the
-    capture's copy thread (worker) and the lookup and embedding threads (engine core) run on
-    the connector's, not where the forward pass computes."""
-    import vllm.platforms  # noqa: F401  (what connector_cores reads)
-
-    from semshare_vllm.vllm_compat.cpu_binding import connector_cores
-
-    connector_cores.cache_clear()
-    reserved = connector_cores()
-    assert len(os.sched_getaffinity(0)) >= 2 and reserved  # as on CI: a core for each
-    worker_main = [c for main, c in cores["VLLM::Worker"] if main]
-    assert worker_main and not worker_main[0] & reserved  # vLLM's binding, the premise
-    assert sum(c == reserved for _, c in cores["VLLM::Worker"]) >= 1  # the capture thread
-    assert sum(c == reserved for _, c in cores["VLLM::EngineCor"]) >= 2  # lookup, embedding
 
 
 def test_bad_config_stops_startup_naming_the_key(model, tmp_path):
@@ -237,7 +219,6 @@ def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_
     check does not depend on the kill landing mid-write. Restarted on the same directory, every
     donor it restores serves cold's answer, the partial file is removed and counted, and no
     request fails."""
-    import os
     import shutil
     import signal
     import socket

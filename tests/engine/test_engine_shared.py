@@ -6,6 +6,7 @@ going away mid-run fails no request (local fallback, counted), and sharing resum
 back."""
 
 import pytest
+from support.thread_cores import connector_threads_off_the_compute_core
 
 from semshare_vllm.testbed.redis_server import RedisServer
 from semshare_vllm.testbed.server import SEMSHARE, VllmServer
@@ -92,6 +93,7 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
             assert hit.cached_tokens >= 0.8 * hit.prompt_tokens
             assert hit.text == cold["shared"]
             b.wait_for_stat("tier_fetches", 1)  # fetched from LMCache + Redis
+            cores_a = a.thread_cores()  # its capture and tier threads have run
 
             # A forged record is dropped, counted, and never serves a request.
             forge_record(model, redis.url, DOCS["forged"] + Q1)
@@ -137,3 +139,5 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
     assert stats_b["tier_fetches"] == 2 and "tier_fetches" not in stats_a
     assert "tier_digest_mismatches" not in stats_b  # the real donors' KV matched its digests
     assert logs.count("is back") == 2 and "Traceback" not in logs
+    # the capture's copy and the tier's digest and put, off the forward pass's core
+    connector_threads_off_the_compute_core(cores_a, worker_threads=2)

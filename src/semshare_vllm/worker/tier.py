@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -22,6 +22,7 @@ from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.store.base import DonorKVStore
 from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
+from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 
 logger = logging.getLogger("vllm.semshare.worker")
 
@@ -34,7 +35,8 @@ class Tier:
         self.ready_marks = ready_marks  # catalog.shared_index.KVReadyMarks, with a shared index
         # donor -> digest of the KV this rank put (what a fetch back must match)
         self.digests: dict[DonorKey, str] = {}
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semshare-tier")
+        # the digest and the put, off the forward pass's cores (as the capture's copy)
+        self._thread = connector_thread("semshare-tier")
         self._puts: list[Future] = []
 
     # ---- put (after a capture) ----------------------------------------------------------------

