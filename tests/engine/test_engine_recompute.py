@@ -218,7 +218,10 @@ def test_a_probe_in_chunks_measures_and_repairs_as_one_pass(llm, worker, cases):
     np.testing.assert_allclose(chunked.deviation, one.deviation, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(chunked.attention, one.attention, rtol=1e-4, atol=1e-6)
     assert one.deviation[garbled].min() > one.deviation[np.setdiff1d(np.arange(n), garbled)].max()
-    torch.testing.assert_close(kv_chunked, kv_one, atol=1e-5, rtol=1e-5)
+    # fp32 through 30 layers, the projections over other row counts: up to 4.9e-5 apart on an
+    # AVX2-only CPU (within 1e-5 where it was written, a CPU with AVX-512 or AMX); the sibling
+    # comparisons here allow 1e-4. A position repaired in one and not the other is O(1) off.
+    torch.testing.assert_close(kv_chunked, kv_one, atol=1e-4, rtol=1e-4)
 
 
 def test_runner_reproduces_vllms_kv_and_repairs_subsets_in_place(llm, worker, cases, monkeypatch):
