@@ -97,9 +97,6 @@ class RepairReport:
     # the gate declined the load (``recompute_decline_share``): it is reported failed, and vLLM
     # computes its tokens; these figures still say why (and count towards demoting the donor)
     declined: bool = False
-    # past the decline share, every loaded token was recomputed instead (the KV is exact, as
-    # cold's; ``policy.Adaptive``)
-    finished: bool = False
     # this worker's time on the load (ms): moving the donor KV into the request's blocks, and
     # the recompute (the hit's time breakdown in its provenance)
     load_ms: float | None = None

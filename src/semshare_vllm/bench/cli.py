@@ -149,7 +149,7 @@ class _Progress:
 
 def _kind(m: Measured) -> str:
     if m.hit:
-        return "hit, every token recomputed" if m.finished else "hit"
+        return "hit"
     if m.declined:
         return "declined"
     return "vLLM's cache" if m.vllm_cached else "miss"

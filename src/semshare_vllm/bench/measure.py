@@ -43,9 +43,6 @@ class Measured:
     # the connector claimed it, then declined its repair (``recompute_decline_share``): vLLM
     # computed the prompt, so it is no hit, and what trying cost shows in its TTFT
     declined: bool = False
-    # past the decline share, its repair recomputed every loaded token instead (a hit, exact;
-    # what it saved or cost shows in its TTFT)
-    finished: bool = False
     # where the served request's time went, as its provenance reports it (ms, by part of
     # ``TIMINGS``; a part missing: it did not run, or its figure did not arrive)
     timings: dict[str, float] = field(default_factory=dict)
@@ -160,7 +157,6 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
     m.declined = delta("recompute_declined") > 0
-    m.finished = delta("recompute_finished") > 0
     for part in TIMINGS:
         if delta(f"served_{part}_ms_count") == 1:
             m.timings[part] = delta(f"served_{part}_ms_sum")

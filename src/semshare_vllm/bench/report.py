@@ -55,8 +55,6 @@ def summarize(results: list[Measured]) -> dict:
             "declined_cost": _ratio(
                 [m.served.ttft_s for m in declined], [m.cold.ttft_s for m in declined]
             ),
-            # hits whose repair went past the decline share and recomputed every loaded token
-            "finished_hits": sum(m.finished for m in hits),
             "median_prompt_tokens": statistics.median(m.prompt_tokens for m in rows),
             "reused_share_of_hits": statistics.median(
                 m.connector_tokens / m.prompt_tokens for m in hits
@@ -204,7 +202,6 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "connector_tokens": m.connector_tokens,
             "vllm_cached": m.vllm_cached,
             "declined": m.declined,
-            "finished": m.finished,
             "cached_tokens": m.served.cached_tokens,
             "hit": m.hit,
             "cold_ttft_ms": m.cold.ttft_s * 1e3,

@@ -57,13 +57,10 @@ class RecomputeConfig(Section):
     recompute_decline_share: float = knob(
         0.5,
         "Adaptive: where the check layer's choice, or the gate's escalation, would recompute "
-        "more than this share of the loaded tokens, it is not run. Loads that fit one of vLLM's "
-        "prefill chunks (max_num_batched_tokens) are then recomputed in full, every token "
-        "from where the repair stands (recompute_finished: exact KV, the rest of a cold "
-        "prefill); larger ones are declined and vLLM computes the prompt in its chunks "
-        "(recompute_declined; the request is served as cold). Past about half the tokens, "
-        "the selective recompute costs more than vLLM's own prefill. 1.0: escalate step by "
-        "step up to every token.",
+        "more than this share of the loaded tokens, the load is declined instead and vLLM "
+        "computes the prompt (counted as recompute_declined; the request is served as cold). "
+        "Past about half the tokens, the recompute costs more than vLLM's own prefill. 1.0: "
+        "escalate up to every token in the recompute.",
         minimum=0.0,
         maximum=1.0,
     )

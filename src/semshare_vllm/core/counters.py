@@ -81,8 +81,6 @@ COUNTERS: dict[str, str] = {
     "then every one)",
     "recompute_declined": "repairs the gate would have widened past recompute_decline_share: "
     "declined, their tokens computed by vLLM (reported as failed loads)",
-    "recompute_finished": "repairs past recompute_decline_share whose loaded tokens fit one of "
-    "vLLM's prefill chunks: every one recomputed instead of declining (exact KV, served)",
     "donors_demoted_by_escalation": "donors no longer offered because loads from them kept "
     "needing escalation",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "

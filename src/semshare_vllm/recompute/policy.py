@@ -17,10 +17,8 @@ first and the layer's attention and MLP only for the positions kept.
   last tokens pay them, until the weighted deviation left (``residual``) is under a bound. At a
   later gate layer it measures again, on sentinel positions carried there; where the deviation
   left is still above the bound it escalates in the same recompute (``Escalate``): more
-  positions, then every one. Where that would be most of them, it recomputes every one at
-  once (``finished``: exact, as vLLM's own prefill) if they fit one prefill chunk, or else
-  declines the load (``Decline``) and vLLM computes the prompt. The bound, not a ratio, is the
-  knob.
+  positions, then every one; or, where that would be most of them, it declines the load
+  (``Decline``) and vLLM computes the prompt. The bound, not a ratio, is the knob.
 * ``SemShareKV`` (§4.3.3, appendix A.5): layer 0 in full; there, positions are split into hot
   and cold by attention recovery (the fewest positions holding ``hot_threshold`` of the last
   ``window`` tokens' attention), and ``hot_ratio`` of the hot and ``cold_ratio`` of the cold
@@ -69,7 +67,6 @@ class Selection:
 
     escalations = 0  # how many times the selection asked for more in the same recompute
     declined = False  # it answered ``Decline``
-    finished = False  # past its decline share, it took every candidate instead of declining
     gate_residual: float | None = None  # the error left a gate measured last (None: no gate)
 
     window = 0  # last tokens whose attention the probe sums (0: no attention probe)
@@ -224,15 +221,10 @@ class Adaptive(Selection):
       to as many positions (in the check layer's order) as leave little enough weight for
       that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
       to every candidate. Without a gate layer, the check layer's choice stands.
-    * Past the decline share: a choice that would recompute more than ``decline_share`` of the
-      candidates is not run, whether the check layer's first or an escalation's. Where there
-      are at most ``finish_within`` candidates (one of vLLM's prefill chunks), every candidate
-      is recomputed instead, from where the selection stands (``finished``): at the check
-      layer, layers 0 and 1 already hold every position's exact KV, so this is the rest of a
-      cold prefill, with no round through vLLM's scheduler for a failed load (a declined load
-      cost 1.05-1.39x of cold, docs/benchmarks.md), in no longer a step than vLLM's own
-      prefill of the prompt would take. At the gate, it is an escalation to every candidate.
-      Otherwise the load is declined (``Decline``) and vLLM computes the prompt in its chunks.
+    * Decline: a choice that would recompute more than ``decline_share`` of the candidates is
+      not run, whether the check layer's first or an escalation's; the load is declined
+      (``Decline``) and vLLM computes the prompt, which is cheaper than the runner redoing most
+      tokens. Declined at the check layer, only layers 0 and 1 were spent.
     """
 
     CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
@@ -250,12 +242,10 @@ class Adaptive(Selection):
         window: int = 32,
         min_tokens: int = 0,
         decline_share: float = 1.0,
-        finish_within: int = 0,
     ):
         super().__init__(candidates, always)
         self.bound, self.min_share, self.max_share = bound, min_share, max_share
         self.decline_share = decline_share
-        self.finishes = len(self.candidates) <= finish_within
         self.check_layer, self.window, self.min_tokens = check_layer, window, min_tokens
         # no gate where it would not come after the check layer
         self.gate_layer = gate_layer if gate_layer > check_layer else None
@@ -313,8 +303,8 @@ class Adaptive(Selection):
         n = len(self.candidates)
         count = max(count, int(np.ceil(self.min_share * n)), self.min_tokens)
         count = min(count, int(np.floor(self.max_share * n)), len(self._order))
-        if self._too_many(count):  # the first choice already costs about what cold does
-            return self._past_decline_share()
+        if self._too_many(count):  # the first choice already costs more than cold: stop here
+            return self._decline()
         return self._keep(count)
 
     def _keep(self, count: int) -> np.ndarray:
@@ -354,27 +344,15 @@ class Adaptive(Selection):
             count = _first_at_most(_left_after(weight[self._order]), self.bound / mean_dev)
             if count > len(self._kept) - len(self._forced):
                 if self._too_many(count):
-                    return self._escalated(self._past_decline_share())
+                    return self._decline()
                 return Escalate(self._keep(count))
         if self._too_many(len(self._order)):
-            return self._escalated(self._past_decline_share())
+            return self._decline()
         self._keep(len(self._order))  # every candidate: nothing is left, no gate again
         return Escalate(np.arange(len(self.candidates)))
 
     def _too_many(self, count: int) -> bool:
         return (count + len(self._forced)) > self.decline_share * len(self.candidates)
-
-    def _past_decline_share(self) -> np.ndarray | Decline:
-        """Every candidate where they fit one prefill chunk (no sentinels: nothing is left to
-        gate), else ``Decline``."""
-        if not self.finishes:
-            return self._decline()
-        self.finished = True
-        return self._keep(len(self._order))
-
-    @staticmethod
-    def _escalated(keep: np.ndarray | Decline) -> Escalate | Decline:
-        return keep if isinstance(keep, Decline) else Escalate(keep)
 
     def _decline(self) -> Decline:
         self.declined = True
@@ -436,17 +414,11 @@ def always_recompute(
 
 
 def make_selection(
-    policy: str,
-    loaded: np.ndarray,
-    always: np.ndarray,
-    config,
-    num_layers: int | None = None,
-    finish_within: int = 0,
+    policy: str, loaded: np.ndarray, always: np.ndarray, config, num_layers: int | None = None
 ) -> Selection:
     """The selection ``policy`` names, over the ``loaded`` positions, with a ``SemShareConfig``'s
     constants, for a model of ``num_layers`` layers (None: not known; a gate layer past the
-    last is no gate). ``finish_within``: the most loaded positions the adaptive policy
-    recomputes in full instead of declining (vLLM's prefill chunk; 0: it always declines)."""
+    last is no gate)."""
     if policy == "all":
         return Fixed(loaded)
     if policy == "cacheblend":
@@ -472,7 +444,6 @@ def make_selection(
             config.recompute_attention_window,
             config.recompute_min_tokens,
             config.recompute_decline_share,
-            finish_within,
         )
     if policy == "semsharekv":
         return SemShareKV(

@@ -377,10 +377,7 @@ class SemShareScheduler:
             self.catalog.drop_bad(key)
         for figures in meta.repairs:
             donor = self.provenance.repaired(figures, self.requests)
-            # a donor found short: the gate widened its repair, or the check layer already
-            # wanted more than the decline share (finished in full or declined)
-            short = figures.escalations or figures.finished or figures.declined
-            if short and donor is not None:
+            if figures.escalations and donor is not None:
                 self.catalog.report_escalation(donor)
 
     def take_stats(self) -> dict | None:

@@ -129,8 +129,6 @@ class Provenance:
             "preemptions": int(getattr(request, "num_preemptions", 0) or 0),
             "escalations": int(escalations),
             "declined": declined,
-            # past the decline share, every loaded token was recomputed (exact, as cold)
-            "finished": served.repair is not None and served.repair.finished,
             "timings_ms": _timings(state),
             "recompute_layers_ms": _per_layer(state),
             "recompute_whole_ms": _rounded(

@@ -59,9 +59,6 @@ def plan_repair(
             np.asarray(spec.always, dtype=np.int64),
             config,
             len(repairer.runner.layers),
-            # past the decline share, a load that fits one of vLLM's prefill chunks is
-            # recomputed in full rather than declined (``policy.Adaptive``)
-            repairer.runner.chunk_tokens or 0,
         )
     except Exception as exc:
         _failed(spec, exc, stats)
@@ -117,8 +114,6 @@ def repair(
         stats.add("recompute_escalations", selection.escalations)
     if selection.declined:
         stats.add("recompute_declined")
-    if selection.finished:
-        stats.add("recompute_finished")
     stats.add("recomputed_tokens", max(result.per_layer, default=0))
     stats.add("recomputed_token_layers", sum(result.per_layer))
     recompute_ms = (time.perf_counter() - t0 - waited) * 1e3
@@ -135,7 +130,6 @@ def repair(
         gate,
         selection.escalations,
         selection.declined,
-        finished=selection.finished,
         recompute_ms=recompute_ms,
         recompute_layer_ms=result.per_layer_ms,
         recompute_whole_ms=result.whole_layers_ms,

@@ -488,21 +488,3 @@ def test_a_declined_load_is_neither_hit_nor_miss_and_its_cost_is_reported():
     line = report.table({512: {"w": s}}).splitlines()[2]
     assert line.startswith("| 512 | w | 2 | 50% | 0% | 1 (1.25x) |")
     assert report.request_rows([declined])[0]["declined"] is True
-
-
-def test_a_load_recomputed_in_full_past_the_decline_share_is_a_hit_and_counted():
-    from semshare_vllm.bench import report
-    from semshare_vllm.bench.client import Completion
-    from semshare_vllm.bench.measure import Measured, _repair_figures
-
-    m = Measured(
-        W.BenchRequest("w", "g", "target", "prompt"),
-        cold=Completion("a", 1.0, 1.1, 0, 100),
-        served=Completion("a", 0.98, 1.08, 99, 100),
-        connector_tokens=99,
-    )
-    _repair_figures(m, {"before": {}, "after": {"recompute_finished": 1}})
-    assert m.finished and m.hit and not m.declined
-    s = report.summarize([m])["w"]
-    assert (s["hits"], s["declined"], s["finished_hits"]) == (1, 0, 1)
-    assert report.request_rows([m])[0]["finished"] is True

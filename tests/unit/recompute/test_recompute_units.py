@@ -176,32 +176,6 @@ def test_adaptive_declines_at_the_check_layer_when_its_first_choice_is_past_the_
     assert not isinstance(fits.after_layer(check_probe(fits)), Decline) and not fits.declined
 
 
-def test_past_the_decline_share_a_load_within_one_prefill_chunk_is_recomputed_in_full():
-    """At the check layer: layers 0 and 1 already hold every position's exact KV, so taking
-    every candidate from there is the rest of a cold prefill; no sentinels, no gate."""
-    sel = adaptive(bound=0.0, decline_share=0.5, finish_within=100)
-    out = sel.after_layer(check_probe(sel))
-    assert not isinstance(out, Decline) and np.array_equal(out, np.arange(100))
-    assert sel.finished and not sel.declined and sel.escalations == 0
-    assert sel.residual == 0 and len(sel._sentinels) == 0
-    assert sel.wants_probe(3) == (False, False)  # nothing left to gate
-    # one candidate more than a chunk: declined as before
-    big = adaptive(bound=0.0, decline_share=0.5, finish_within=99)
-    assert isinstance(big.after_layer(check_probe(big)), Decline)
-    assert big.declined and not big.finished
-
-
-def test_past_the_decline_share_at_the_gate_a_load_within_one_chunk_escalates_to_every_one():
-    sel, keep = checked()
-    sel.decline_share, sel.finishes = 0.5, True
-    out = sel.after_layer(gate_probe(sel, keep, 0.4))  # would keep >= 80 of 100
-    assert isinstance(out, Escalate) and np.array_equal(out.keep, np.arange(100))
-    assert sel.finished and not sel.declined and sel.escalations == 1
-    assert sel.wants_probe(3) == (False, False)  # every candidate: no gate again
-    # straight to every one, not first to the count the sentinels asked for
-    assert sel.after_layer(probe(1, np.arange(100))) is None
-
-
 def test_adaptive_share_floor_and_ceiling_and_no_gate():
     loose = adaptive(bound=10.0, min_share=0.3, gate_layer=0)
     loose.after_layer(check_probe(loose))
@@ -243,9 +217,6 @@ def test_make_selection_follows_the_config():
     ad = make_selection("adaptive", loaded, np.array([5]), cfg)
     assert isinstance(ad, Adaptive) and ad.bound == cfg.recompute_error_bound
     assert ad.gate_layer == cfg.recompute_gate_layer and ad.min_tokens == 3
-    assert not ad.finishes  # no prefill chunk given: past the decline share, it declines
-    assert make_selection("adaptive", loaded, np.array([5]), cfg, finish_within=16).finishes
-    assert not make_selection("adaptive", loaded, np.array([5]), cfg, finish_within=15).finishes
     assert SemShareConfig().recompute_policy == "adaptive"
     with pytest.raises(ValueError):
         make_selection("none", loaded, np.array([]), cfg)

@@ -6,7 +6,6 @@ histograms observed from the same figures."""
 
 from types import SimpleNamespace
 
-import pytest
 from support.scheduler import Blocks, finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
@@ -74,7 +73,6 @@ def test_a_miss_and_an_exact_hit():
             "preemptions": 0,
             "escalations": 0,
             "declined": False,
-            "finished": False,
             # nothing to search (no donor yet), nothing loaded
             "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
             "recompute_layers_ms": None,
@@ -246,22 +244,3 @@ def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted
     for _ in range(3):
         other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
     assert "donors_demoted_by_escalation" not in other.stats.totals
-
-
-@pytest.mark.parametrize("how", ["finished", "declined"])
-def test_a_donor_whose_loads_the_check_layer_found_short_is_demoted_too(how):
-    """Past the decline share at the check layer (no gate ran, no escalation): the load was
-    recomputed in full or declined, and the donor counts as found short, as an escalated one."""
-    s = scheduler(recompute_policy="all")
-    key = None
-    for i in range(2):
-        r, load = admit(s, f"t{i}", DONOR[:150] + [i])
-        key = load.key
-        report = RepairReport(f"t{i}", load.seq, 1.03, 0.1, 0.0, None, **{how: True})
-        s.update_connector_output(output([report]))
-        if how == "finished":
-            got = end(s, r)[1][KEY]
-            assert got["finished"] and not got["declined"] and got["escalations"] == 0
-            assert got["recompute_share"] == 1.03 and not got["load_failed"]
-    assert s.index.get(key).demoted
-    assert s.stats.totals["donors_demoted_by_escalation"] == 1

@@ -104,7 +104,6 @@ def test_provenance_reaches_the_request_output_vllm_builds(async_scheduling):
         "preemptions": 0,
         "escalations": 0,
         "declined": False,
-        "finished": False,
         # the report made here names no worker times (real ones: tests/engine)
         "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
         "recompute_layers_ms": None,

@@ -159,7 +159,6 @@ class _FakeRunner:
     from 0.1 to 0.5 with the position)."""
 
     layers = [None] * 4
-    chunk_tokens = None  # (LayerRunner's: vLLM's prefill chunk)
 
     def __init__(self):
         self.events = []  # ("layer", i) as each layer runs; ("ready", i) where it waits
