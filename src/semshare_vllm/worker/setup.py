@@ -8,6 +8,8 @@ warning.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,7 +203,8 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
             marks = KVReadyMarks(
                 config.shared_index_url, g.fingerprint, rank, config.shared_index_secret
             )
-        store = LMCacheKVStore(
+        store = functools.partial(
+            LMCacheKVStore,
             len(g.layer_names),
             g.num_kv_heads,
             g.head_size,
@@ -212,8 +215,11 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
             tp_rank=rank,
             tp_size=g.tp_size,
         )
-        return Tier(store, stats, rank, marks)
+        return Tier(store, stats, rank, marks)  # (built on the tier's thread)
     except Exception as exc:
+        if marks is not None:
+            with contextlib.suppress(Exception):
+                marks.close()
         logger.warning(
             "SemShare: the LMCache tier is off on this worker (donors stay in "
             "the host store of this instance): %s: %s",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -28,8 +29,17 @@ logger = logging.getLogger("vllm.semshare.worker")
 
 
 class Tier:
-    def __init__(self, store: DonorKVStore, stats: StatsRecorder, rank: int, ready_marks=None):
-        self.store = store  # LMCacheKVStore
+    def __init__(
+        self,
+        build_store: Callable[[], DonorKVStore],
+        stats: StatsRecorder,
+        rank: int,
+        ready_marks=None,
+    ):
+        """``build_store`` makes the store (an ``LMCacheKVStore``); it runs on the tier's
+        thread, so that the threads LMCache starts there (its storage manager's event loop,
+        which does the remote put, and its backends' workers) inherit that thread's cores,
+        not the forward pass's. What it raises, this raises."""
         self.stats = stats
         self.rank = rank  # this worker's tensor-parallel rank (its KV shard)
         self.ready_marks = ready_marks  # catalog.shared_index.KVReadyMarks, with a shared index
@@ -38,6 +48,11 @@ class Tier:
         # the digest and the put, off the forward pass's cores (as the capture's copy)
         self._thread = connector_thread("semshare-tier")
         self._puts: list[Future] = []
+        try:
+            self.store = self._thread.submit(build_store).result()
+        except BaseException:
+            self._thread.shutdown(wait=True)
+            raise
 
     # ---- put (after a capture) ----------------------------------------------------------------
     def put_later(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> None:

@@ -379,7 +379,7 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
     expected = ["0" * 64, kv_digest(rows)]  # this worker is rank 1
 
     def fetch(fetched, digests):
-        tier, host = Tier(LMCache(fetched), StatsRecorder(), rank=1), Store()
+        tier, host = Tier(lambda: LMCache(fetched), StatsRecorder(), rank=1), Store()
         tier.digests = {DonorKey("", did(1)): kv_digest(rows)}
         spec = LoadSpec(
             "r",

@@ -93,12 +93,62 @@ def test_the_tier_put_runs_off_the_workers_compute_cores(bound_like_a_worker):
     """The LMCache tier's digest and put (with a shared index, its readiness mark)."""
     from semshare_vllm.worker.tier import Tier
 
-    tier = Tier(store=None, stats=StatsRecorder(), rank=0)
+    tier = Tier(lambda: None, stats=StatsRecorder(), rank=0)
     try:
         ran_on, team = tier._thread.submit(where_and_how_wide).result(timeout=30)
     finally:
         tier._thread.shutdown(wait=True)
     assert ran_on == bound_like_a_worker and team == 1
+
+
+def test_lmcaches_own_threads_run_off_the_workers_compute_cores(bound_like_a_worker):
+    """The threads LMCache starts for the tier (its storage manager's event loop, which does
+    the put to the remote backend, and that backend's workers) are started from the tier's
+    thread, not the worker's: a real LMCache engine with a real Redis behind it, and a put
+    through it. Every thread the process gained runs on the connector's cores."""
+    import torch
+
+    from semshare_vllm.core.keys import DonorKey
+    from semshare_vllm.store.lmcache_store import LMCacheKVStore
+    from semshare_vllm.testbed.redis_server import RedisServer
+    from semshare_vllm.worker.tier import Tier
+
+    rows = torch.randn(2, 64, 2, 64)  # [layers, tokens, kv heads, K and V of 32]
+    with RedisServer() as redis:
+        before = threads_of_this_process()
+        tier = Tier(
+            lambda: LMCacheKVStore(
+                2,
+                2,
+                32,
+                torch.float32,
+                "binding-test",
+                8 * 2**20,
+                remote_url=redis.url,
+                chunk_size=16,
+            ),
+            StatsRecorder(),
+            rank=0,
+        )
+        try:
+            tier.put_later(DonorKey("", "d"), list(range(64)), rows)
+            tier.flush()
+            tier.reap()
+            assert tier.stats.totals.get("tier_puts") == 1
+            gained = threads_of_this_process() - before
+            cores = {tid: os.sched_getaffinity(tid) for tid in gained if alive(tid)}
+        finally:
+            tier.close()
+    assert len(cores) >= 2  # the tier's own thread, and LMCache's
+    assert set(map(frozenset, cores.values())) == {bound_like_a_worker}, cores
+
+
+def threads_of_this_process() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def alive(tid: int) -> bool:
+    return os.path.exists(f"/proc/self/task/{tid}")
 
 
 def test_the_discovery_threads_run_off_the_workers_compute_cores(bound_like_a_worker):
