@@ -65,8 +65,9 @@ lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# --durations: the slowest tests in the log, where the suite's time goes on CI's machine.
 test: lint models redis
-	$(PY) -m pytest tests -v
+	$(PY) -m pytest tests -v --durations=30
 	$(MAKE) test-vllm033
 
 # Our scheduler half under vLLM 0.33's real scheduler, and the unit tests that touch vLLM, in
