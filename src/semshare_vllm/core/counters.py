@@ -82,7 +82,7 @@ COUNTERS: dict[str, str] = {
     "recompute_declined": "repairs the gate would have widened past recompute_decline_share: "
     "declined, their tokens computed by vLLM (reported as failed loads)",
     "donors_demoted_by_escalation": "donors no longer offered because loads from them kept "
-    "needing escalation (or were declined)",
+    "needing escalation",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
     "deviation of the loaded tokens at the policy's check layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",

@@ -377,9 +377,7 @@ class SemShareScheduler:
             self.catalog.drop_bad(key)
         for figures in meta.repairs:
             donor = self.provenance.repaired(figures, self.requests)
-            # found short: the gate widened the repair, or the check layer's first choice was
-            # already past the decline share (declined there, with no escalation)
-            if (figures.escalations or figures.declined) and donor is not None:
+            if figures.escalations and donor is not None:
                 self.catalog.report_escalation(donor)
 
     def take_stats(self) -> dict | None:

@@ -45,8 +45,7 @@ class DonorCatalog:
         self.changed = True
 
     def report_escalation(self, key: DonorKey) -> None:
-        """A load from donor ``key`` needed the recompute gate's escalation, or was declined
-        (its repair past the decline share): after
+        """A load from donor ``key`` needed the recompute gate's escalation: after
         ``ESCALATIONS_TO_DEMOTE`` of them it is demoted (no longer offered by discovery; the
         ``divergence`` eviction policy evicts it first)."""
         record = self.index.get(key)

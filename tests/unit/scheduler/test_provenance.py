@@ -244,20 +244,3 @@ def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted
     for _ in range(3):
         other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
     assert "donors_demoted_by_escalation" not in other.stats.totals
-
-
-def test_a_donor_whose_loads_the_check_layer_declined_is_demoted_too():
-    """The adaptive policy declines a load at the check layer where its first choice is already
-    past the decline share: no gate ran, no escalation, yet the donor was found short for that
-    target as an escalated one is; two such targets demote it."""
-    s = scheduler(recompute_policy="all")
-    key = None
-    for i in range(2):
-        r, load = admit(s, f"t{i}", DONOR[:150] + [i])
-        key = load.key
-        assert not s.index.get(key).demoted
-        s.update_connector_output(
-            output([RepairReport(f"t{i}", load.seq, 0.07, 0.1, 0.0, None, declined=True)])
-        )
-    assert s.index.get(key).demoted
-    assert s.stats.totals["donors_demoted_by_escalation"] == 1
