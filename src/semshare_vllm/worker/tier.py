@@ -28,6 +28,21 @@ from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 logger = logging.getLogger("vllm.semshare.worker")
 
 
+def _cuda_device() -> int | None:
+    """The calling worker's CUDA device, where it has one in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+def _on_device(device: int | None, build: Callable[[], DonorKVStore]) -> DonorKVStore:
+    """On the tier's thread: use the worker's CUDA device before LMCache is built (it pins its
+    buffers through the current device; a new thread's is device 0, another rank's GPU)."""
+    if device is not None:
+        torch.cuda.set_device(device)
+    return build()
+
+
 class Tier:
     def __init__(
         self,
@@ -38,8 +53,8 @@ class Tier:
     ):
         """``build_store`` makes the store (an ``LMCacheKVStore``); it runs on the tier's
         thread, so that the threads LMCache starts there (its storage manager's event loop,
-        which does the remote put, and its backends' workers) inherit that thread's cores,
-        not the forward pass's. What it raises, this raises."""
+        which does the remote put, its stats logger, its pin monitor) inherit that thread's
+        cores, not the forward pass's. What it raises, this raises."""
         self.stats = stats
         self.rank = rank  # this worker's tensor-parallel rank (its KV shard)
         self.ready_marks = ready_marks  # catalog.shared_index.KVReadyMarks, with a shared index
@@ -49,7 +64,7 @@ class Tier:
         self._thread = connector_thread("semshare-tier")
         self._puts: list[Future] = []
         try:
-            self.store = self._thread.submit(build_store).result()
+            self.store = self._thread.submit(_on_device, _cuda_device(), build_store).result()
         except BaseException:
             self._thread.shutdown(wait=True)
             raise

@@ -380,6 +380,7 @@ def test_a_kv_digest_mismatch_fails_the_workers_fetch(monkeypatch):
 
     def fetch(fetched, digests):
         tier, host = Tier(lambda: LMCache(fetched), StatsRecorder(), rank=1), Store()
+        tier._thread.shutdown()  # (fetches run on the caller's thread; no put here)
         tier.digests = {DonorKey("", did(1)): kv_digest(rows)}
         spec = LoadSpec(
             "r",

@@ -103,7 +103,7 @@ def test_the_tier_put_runs_off_the_workers_compute_cores(bound_like_a_worker):
 
 def test_lmcaches_own_threads_run_off_the_workers_compute_cores(bound_like_a_worker):
     """The threads LMCache starts for the tier (its storage manager's event loop, which does
-    the put to the remote backend, and that backend's workers) are started from the tier's
+    the put to the remote backend, its stats logger, its pin monitor) are started from the tier's
     thread, not the worker's: a real LMCache engine with a real Redis behind it, and a put
     through it. Every thread the process gained runs on the connector's cores."""
     import torch
@@ -135,20 +135,52 @@ def test_lmcaches_own_threads_run_off_the_workers_compute_cores(bound_like_a_wor
             tier.flush()
             tier.reap()
             assert tier.stats.totals.get("tier_puts") == 1
-            gained = threads_of_this_process() - before
-            cores = {tid: os.sched_getaffinity(tid) for tid in gained if alive(tid)}
+            cores = affinities(threads_of_this_process() - before)
         finally:
             tier.close()
     assert len(cores) >= 2  # the tier's own thread, and LMCache's
     assert set(map(frozenset, cores.values())) == {bound_like_a_worker}, cores
 
 
+def test_on_cuda_the_tier_builds_lmcache_on_the_workers_device(monkeypatch):
+    """A new thread's CUDA device is device 0: the tier's thread takes the worker's before it
+    builds the store (LMCache pins its buffers through the current device). torch.cuda stood
+    in for: no GPU here."""
+    import threading
+
+    import torch
+
+    from semshare_vllm.worker.tier import Tier
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append(("set_device", d, threading.get_ident()))
+    )
+    tier = Tier(
+        lambda: calls.append(("build", threading.get_ident())) or "store", StatsRecorder(), 0
+    )
+    tier._thread.shutdown()
+    tier_thread = calls[0][2]
+    assert calls == [("set_device", 3, tier_thread), ("build", tier_thread)]
+    assert tier_thread != threading.get_ident() and tier.store == "store"
+
+
 def threads_of_this_process() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def alive(tid: int) -> bool:
-    return os.path.exists(f"/proc/self/task/{tid}")
+def affinities(tids: set[int]) -> dict[int, set[int]]:
+    """Each thread's allowed cores; one that ended meanwhile is left out."""
+    out = {}
+    for tid in tids:
+        try:
+            out[tid] = os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            pass
+    return out
 
 
 def test_the_discovery_threads_run_off_the_workers_compute_cores(bound_like_a_worker):
