@@ -139,5 +139,7 @@ def test_two_instances_share_donors_through_redis(model, cold, tmp_path, monkeyp
     assert stats_b["tier_fetches"] == 2 and "tier_fetches" not in stats_a
     assert "tier_digest_mismatches" not in stats_b  # the real donors' KV matched its digests
     assert logs.count("is back") == 2 and "Traceback" not in logs
-    # the capture's copy and the tier's digest and put, off the forward pass's core
-    connector_threads_off_the_compute_core(cores_a, worker_threads=2)
+    # off the forward pass's core: the capture's copy, the tier's digest and put, and LMCache's
+    # own event loop, stats logger and pin monitor (started from the tier's thread; the load's
+    # thread starts with A's first load, which it may not have had)
+    connector_threads_off_the_compute_core(cores_a, worker_threads=5)
