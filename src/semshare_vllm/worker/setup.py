@@ -203,7 +203,7 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
             marks = KVReadyMarks(
                 config.shared_index_url, g.fingerprint, rank, config.shared_index_secret
             )
-        store = functools.partial(
+        build_store = functools.partial(
             LMCacheKVStore,
             len(g.layer_names),
             g.num_kv_heads,
@@ -215,7 +215,7 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
             tp_rank=rank,
             tp_size=g.tp_size,
         )
-        return Tier(store, stats, rank, marks)  # (built on the tier's thread)
+        return Tier(build_store, stats, rank, marks)  # (built on the tier's thread)
     except Exception as exc:
         if marks is not None:
             with contextlib.suppress(Exception):
