@@ -124,10 +124,12 @@ def vllm_kv_caches(
     block_size: int,
     head_size: int,
     dtype: torch.dtype,
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """The per-layer ``[B, H, N, 2 * head_size]`` views 0.33 would register for one attention
     group laid out as ``layout``: byte strides over one int8 buffer, then each layer's view
-    retyped as ``dtype`` (so element strides are byte strides / itemsize)."""
+    retyped as ``dtype`` (so element strides are byte strides / itemsize). ``device``: on a lent
+    GPU, the buffer lives there, as vLLM's does."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shape = {
         "L": len(layer_names),
@@ -138,7 +140,9 @@ def vllm_kv_caches(
     }
     strides = layout_strides(layout, shape)
     raw = torch.zeros(
-        shape["L"] * shape["B"] * shape["H"] * shape["N"] * shape["C"], dtype=torch.int8
+        shape["L"] * shape["B"] * shape["H"] * shape["N"] * shape["C"],
+        dtype=torch.int8,
+        device=device,
     )
     logical = "LBHNC"
     view = raw.as_strided([shape[a] for a in logical], [strides[a] for a in logical])

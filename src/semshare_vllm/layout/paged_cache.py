@@ -16,7 +16,9 @@ def slots_for(block_ids: list[int], start: int, stop: int, block_size: int) -> t
 def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]:
     """The per-layer KV tensors as ``[layers, blocks, H, N, C]`` stacks, for copies that move
     every layer in one op (vLLM allocates all layers in one buffer, at a uniform stride, so this
-    is usually a single view); falls back to one stack per layer."""
+    is usually a single view; in block-outer layouts the layers interleave inside each block,
+    and the stack is still one view as long as no two of its elements share an address); falls
+    back to one stack per layer."""
     first = caches[0]
     uniform = len(caches) > 1 and all(
         c.shape == first.shape
@@ -28,11 +30,24 @@ def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]
     )
     if uniform:
         step = caches[1].storage_offset() - first.storage_offset()
-        if step >= first.numel() and all(
+        shape, strides = (len(caches), *first.shape), (step, *first.stride())
+        if _distinct_addresses(shape, strides) and all(
             c.storage_offset() - first.storage_offset() == i * step for i, c in enumerate(caches)
         ):
-            stacked = torch.as_strided(
-                first, (len(caches), *first.shape), (step, *first.stride()), first.storage_offset()
-            )
+            stacked = torch.as_strided(first, shape, strides, first.storage_offset())
             return [(slice(0, len(caches)), stacked)]
     return [(slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)]
+
+
+def _distinct_addresses(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a view of this shape and these strides gives every element its own address:
+    taken from the smallest stride up, each axis must step past all that the smaller ones
+    span (mixed radix; true of any axis order of a dense buffer, false where layers overlap)."""
+    span = 0
+    for size, stride in sorted(zip(shape, strides), key=lambda axis: axis[1]):
+        if size == 1:
+            continue
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True

@@ -32,6 +32,10 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
 
 else:
+    from support.gpu_layouts import CASE_IDS as GPU_CASE_IDS
+    from support.gpu_layouts import CASES as GPU_CASES
+    from support.gpu_layouts import fill, vllm_kv_caches
+
     from semshare_vllm.kernels import triton_gather
     from semshare_vllm.kernels.gather_rearrange import (
         gather_rearrange,
@@ -159,6 +163,46 @@ else:
             assert_matches(g_, w)
         assert any(bool(w.abs().sum() > 0) for w in want)
         assert len(launches[0]) == (1 if arrangement == "uniform" else L)
+
+    @pytest.mark.parametrize("rope", [None, "neox"])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("backend, layout", GPU_CASES, ids=GPU_CASE_IDS)
+    def test_gather_kernel_into_vllm_033_layer_views(
+        tables, monkeypatch, backend, layout, dtype, rope
+    ):
+        """Into the per-layer views CUDA vLLM 0.33 registers (every layout of every backend, all
+        layers over one buffer: ``support.gpu_layouts``), the kernel writes what the reference
+        does, in one launch for all layers. On a lent GPU the buffer is on the device and the
+        kernel runs compiled, as under CUDA vLLM."""
+        table = tables[rope] if rope else None
+        head = table.head_size if table else 64
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+        def caches():
+            views = list(vllm_kv_caches(layout, names, B, H, N, head, dtype, DEVICE).values())
+            fill(views, seed=5)
+            return views
+
+        launches = []
+        stack = triton_gather.stack_layers
+        monkeypatch.setattr(
+            triton_gather,
+            "stack_layers",
+            lambda caches: launches.append(stack(caches)) or launches[-1],
+        )
+        g = torch.Generator().manual_seed(6)
+        src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(DEVICE, dtype).transpose(0, 1)
+        rows = torch.randint(0, T_SRC, (M,), generator=g).to(DEVICE)
+        slots = torch.randperm(B * N, generator=g)[:M].to(DEVICE)
+        src_pos, dst_pos = positions(M, table.max_position if table else 1, seed=8)
+        want, got, before = caches(), caches(), caches()
+        offsets = page_spec(backend, head).offsets(want[0]).to(DEVICE)
+        gather_rearrange_reference(src, rows, slots, want, offsets, table, src_pos, dst_pos)
+        gather_rearrange(src, rows, slots, got, offsets, table, src_pos, dst_pos, impl="triton")
+        for w, g_, b in zip(want, got, before):
+            assert_matches(g_, w)
+            assert not torch.equal(w, b)
+        assert len(launches) == 1 and len(launches[0]) == 1
 
     # Run in its own process: a wrong address there is a crash (a segfault under the
     # interpreter, an illegal access poisoning the CUDA context), not a failed assert.

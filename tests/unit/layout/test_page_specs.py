@@ -202,3 +202,8 @@ def test_stack_layers_views_one_buffer_and_falls_back():
     stacks = stack_layers(separate)
     assert [s for s, _ in stacks] == [slice(0, 1), slice(1, 2)]
     assert stacks[1][1].data_ptr() == separate[1].data_ptr()
+    # Views of one buffer at a uniform step that share elements: one stack would write a
+    # position through two layers at once, so each layer stands alone.
+    size = B * H * N * 2 * D
+    overlapping = [flat[i * 2 * D : i * 2 * D + size].view(B, H, N, 2 * D) for i in range(3)]
+    assert [s for s, _ in stack_layers(overlapping)] == [slice(0, 1), slice(1, 2), slice(2, 3)]
