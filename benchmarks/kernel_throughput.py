@@ -7,7 +7,8 @@ paged cache of every layer (``semshare_vllm.kernels.gather_rearrange``).
   CUDA path) against ``page_move`` (the CPU path).
 * CUDA (only when available): the Triton kernel on a Qwen2.5-7B-shaped cache (28 layers,
   4 KV heads, head 128, bf16, packed pages), 8K and 32K tokens, with the share of the device's
-  peak bandwidth and a check against the torch reference.
+  peak bandwidth and a check against the torch reference; then in a block-outer layout (the
+  layers interleave inside each block), one launch for all layers against one per layer.
 
 GB/s counts bytes read from the staging tensor plus bytes written to the cache (index, position
 and angle-table traffic left out); the time is the median of ``--repeats`` runs after a warm-up.
@@ -28,7 +29,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from semshare_vllm.kernels import RopeTable, gather_rearrange, stage_rows
+from semshare_vllm.kernels import RopeTable, gather_rearrange, stage_rows, triton_gather
 from semshare_vllm.kernels.page_move import move_aligned_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec, page_spec
@@ -102,13 +103,16 @@ def build_case(
     table: RopeTable,
     device: str,
     seed: int = 0,
+    block_outer: bool = False,
 ) -> Case:
+    """``block_outer``: vLLM 0.33's block-outer layouts (here BLHNC), every layer's pages of a
+    block side by side, so the layers interleave in the one buffer."""
     g = torch.Generator().manual_seed(seed)
     bs = shape.block_size
     num_blocks = -(-tokens // bs) + 1
+    outer = (num_blocks, shape.layers) if block_outer else (shape.layers, num_blocks)
     buffer = torch.zeros(
-        shape.layers,
-        num_blocks,
+        *outer,
         shape.kv_heads,
         bs,
         2 * shape.head_size,
@@ -124,7 +128,7 @@ def build_case(
     pos = torch.arange(tokens)
     slots = blocks[pos // bs] * bs + pos % bs
     src_pos = (rows + 7) % table.max_position  # the donor had these tokens elsewhere
-    caches = list(buffer)
+    caches = list(buffer.transpose(0, 1) if block_outer else buffer)
     return Case(
         src,
         rows.to(device),
@@ -289,18 +293,33 @@ def gpu_row(
     args,
     device: str,
     offset_tables: bool = False,
+    block_outer: bool = False,
+    per_layer: bool = False,
 ) -> list:
-    case = build_case(shape, tokens, torch.bfloat16, layout, table, device)
+    """``per_layer``: one launch per layer, as before layer stacks spanned interleaved layers."""
+    case = build_case(shape, tokens, torch.bfloat16, layout, table, device, block_outer=block_outer)
     if offset_tables:  # the packed pages addressed through the generic [N, D] tables
         case.offsets = dataclasses.replace(case.offsets, token_stride=None, channel_stride=None)
-    seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
-    want = [torch.zeros_like(c) for c in case.caches]
+    stack = triton_gather.stack_layers
+    if per_layer:
+        triton_gather.stack_layers = lambda caches: [
+            (slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)
+        ]
+    try:
+        seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
+    finally:
+        triton_gather.stack_layers = stack
+    want = build_case(  # zeros in the same layout
+        shape, tokens, torch.bfloat16, layout, table, device, block_outer=block_outer
+    ).caches
     case.move("torch", want)
     exact = all(torch.equal(w, c) for w, c in zip(want, case.caches))
     worst = max((w.float() - c.float()).abs().max().item() for w, c in zip(want, case.caches))
     gbps = case.bytes_moved / seconds / 1e9
     return [
-        "tables" if offset_tables else "computed",
+        ("one launch per layer" if per_layer else "one launch")
+        if block_outer
+        else ("tables" if offset_tables else "computed"),
         tokens,
         f"{case.bytes_moved / 2**20:.0f}",
         f"{seconds * 1e3:.3f}",
@@ -327,10 +346,27 @@ def gpu_suite(args, device: str = "cuda") -> None:
         f"KV heads, head {shape.head_size}, bf16, packed), {name}, "
         f"peak {args.peak_gbps:.0f} GB/s\n"
     )
-    print_table(
-        ["page offsets", "tokens", "MiB moved", "ms (median)", "GB/s", "% of peak", "vs reference"],
-        rows,
-    )
+    headers = ["tokens", "MiB moved", "ms (median)", "GB/s", "% of peak", "vs reference"]
+    print_table(["page offsets", *headers], rows)
+    rows = []
+    for tokens in args.gpu_tokens:
+        for per_layer in (False, True):
+            rows.append(
+                gpu_row(
+                    shape,
+                    tokens,
+                    layout,
+                    table,
+                    args,
+                    device,
+                    block_outer=True,
+                    per_layer=per_layer,
+                )
+            )
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    print("\n### The same, block-outer layout (BLHNC: the layers interleave inside each block)\n")
+    print_table(["launches", *headers], rows)
 
 
 def main() -> None:
