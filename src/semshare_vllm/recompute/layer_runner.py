@@ -83,11 +83,8 @@ def attend(
     n, s = k.shape[0], q.shape[0]
     if s == n and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1:
         return _sdpa(q, k, v, None, scale)  # every position: the plain causal kernel
-    # Scattered queries need a mask, and a masked kernel skips no key blocks: in chunks of
-    # consecutive queries, each chunk reads only the keys up to its last position (about half
-    # the work; docs/benchmarks.md, "Selective recompute").
     out = torch.empty_like(q)
-    chunks = max(1, min(ATTEND_CHUNKS, s // ATTEND_MIN_CHUNK))
+    chunks = attend_chunks(s, int(q_pos[-1]) + 1, q.device)
     bounds = [s * i // chunks for i in range(chunks + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
         pos = q_pos[lo:hi]
@@ -97,8 +94,22 @@ def attend(
     return out
 
 
+def attend_chunks(queries: int, keys: int, device: torch.device) -> int:
+    """How many masked SDPA calls ``attend`` makes, each over consecutive queries and the keys
+    up to its last one. On CPU, ``ATTEND_CHUNKS``: a masked kernel skips no key blocks, and
+    chunks read about half the keys (docs/benchmarks.md, "Selective recompute"). On a GPU a
+    masked call has a fixed cost larger than what the skipped keys save (cuDNN on an H200:
+    one call 3.6x faster than eight at 8K tokens, docs/benchmarks.md "The recompute's attention
+    on a GPU"), so chunks there only bound the mask (and the bias SDPA makes of it) to
+    ``ATTEND_MASK_ELEMENTS`` a call, inside the memory vLLM leaves free beside its KV cache."""
+    if device.type == "cpu":
+        return max(1, min(ATTEND_CHUNKS, queries // ATTEND_MIN_CHUNK))
+    return max(1, min(queries, -(-queries * keys // ATTEND_MASK_ELEMENTS)))
+
+
 ATTEND_CHUNKS = 8
 ATTEND_MIN_CHUNK = 32
+ATTEND_MASK_ELEMENTS = 1 << 26
 
 
 def _sdpa(q, k, v, mask, scale):
