@@ -240,7 +240,7 @@ def _attention_fails_on_rank0(rank: int) -> dict:
     row-parallel all-reduce (in the attention stand-in)."""
     from semshare_vllm.recompute import layer_runner
 
-    with _on_rank0(layer_runner, "attend", _boom("attention")):
+    with _on_rank0(layer_runner, "attend_by_position", _boom("attention")):
         return _load_once(rank, "cacheblend")
 
 

@@ -1,4 +1,5 @@
-"""KV-moving kernels: each a torch reference, a Triton kernel and a dispatcher.
+"""The hit path's kernels (moving KV, and the recompute's attention): each a torch reference, a
+Triton kernel and a dispatcher.
 
 Public entries:
 
@@ -14,6 +15,9 @@ Public entries:
 * ``move_aligned_rows(layout, src_pages, src_blocks, dst_pages, dst_blocks, dst_start,
   donor_pos, table)``: the same move on CPU, page to page through the layout's whole-block
   reads and writes (bit-identical to the reference, a few times faster there).
+* ``attend_by_position(q, k, v, q_pos, scale)``: causal attention of queries at scattered
+  positions over a request's keys, what the recompute attends with off vLLM's CPU backend
+  (``attend_by_position_reference`` is the torch version, SDPA).
 
 The dispatchers run Triton on CUDA tensors, torch otherwise (``impl="torch"`` / ``"triton"``
 forces one; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``, as in the tests). Triton is
@@ -22,11 +26,14 @@ imported only when used.
 
 from .gather_rearrange import gather_rearrange, gather_rearrange_reference, stage_rows
 from .page_move import move_aligned_rows
+from .position_attention import attend_by_position, attend_by_position_reference
 from .rope import RopeTable, UnsupportedRope, correct_rope, rope_correct_reference
 
 __all__ = [
     "RopeTable",
     "UnsupportedRope",
+    "attend_by_position",
+    "attend_by_position_reference",
     "correct_rope",
     "gather_rearrange",
     "gather_rearrange_reference",

@@ -30,7 +30,8 @@ vLLM's attention layer cannot be called here (it needs the step's forward-contex
 Where the layer's backend is CPU_ATTN, vLLM's own CPU kernels write the cache and attend over the
 paged cache, each run of consecutive positions as one of the kernel's requests
 (``vllm_compat.cpu_attention``); otherwise (any other backend or device, probe passes) attention
-is torch SDPA over the K/V gathered from the paged cache, in causal chunks (``attend``). A
+is over the K/V gathered from the paged cache (``kernels.attend_by_position``: a Triton kernel
+on CUDA, torch SDPA in causal chunks elsewhere). A
 layer over a prefill's positions (layer 0 takes every loaded one) runs in chunks of
 ``chunk_tokens`` (vLLM's ``max_num_batched_tokens``), in order, as vLLM's chunked prefill runs
 it; so does the probe of the layer where the selection narrows (``_probe_pass``). Only the
@@ -49,8 +50,8 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from semshare_vllm.kernels.position_attention import attend_by_position
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
 from semshare_vllm.recompute.policy import Decline, Escalate, Fixed, LayerProbe, Selection
@@ -73,56 +74,6 @@ class _Layer:
     num_kv_heads: int
     head_size: int
     scale: float
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention of queries at sorted positions ``q_pos`` over keys at positions
-    0..n-1. q ``[S, Hq, D]``, k / v ``[n, Hkv, D]`` -> ``[S, Hq, D]`` (fp32 softmax via SDPA)."""
-    n, s = k.shape[0], q.shape[0]
-    if s == n and int(q_pos[0]) == 0 and int(q_pos[-1]) == n - 1:
-        return _sdpa(q, k, v, None, scale)  # every position: the plain causal kernel
-    out = torch.empty_like(q)
-    chunks = attend_chunks(s, int(q_pos[-1]) + 1, q.device)
-    bounds = [s * i // chunks for i in range(chunks + 1)]
-    for lo, hi in zip(bounds, bounds[1:]):
-        pos = q_pos[lo:hi]
-        m = int(pos[-1]) + 1
-        mask = torch.arange(m, device=q.device)[None, :] <= pos[:, None]
-        out[lo:hi] = _sdpa(q[lo:hi], k[:m], v[:m], mask, scale)
-    return out
-
-
-def attend_chunks(queries: int, keys: int, device: torch.device) -> int:
-    """How many masked SDPA calls ``attend`` makes, each over consecutive queries and the keys
-    up to its last one. On CPU, ``ATTEND_CHUNKS``: a masked kernel skips no key blocks, and
-    chunks read about half the keys (docs/benchmarks.md, "Selective recompute"). On a GPU a
-    masked call has a fixed cost larger than what the skipped keys save (cuDNN on an H200:
-    one call 3.6x faster than eight at 8K tokens, docs/benchmarks.md "The recompute's attention
-    on a GPU"), so chunks there only bound the mask (and the bias SDPA makes of it) to
-    ``ATTEND_MASK_ELEMENTS`` a call, inside the memory vLLM leaves free beside its KV cache."""
-    if device.type == "cpu":
-        return max(1, min(ATTEND_CHUNKS, queries // ATTEND_MIN_CHUNK))
-    return max(1, min(queries, -(-queries * keys // ATTEND_MASK_ELEMENTS)))
-
-
-ATTEND_CHUNKS = 8
-ATTEND_MIN_CHUNK = 32
-ATTEND_MASK_ELEMENTS = 1 << 26
-
-
-def _sdpa(q, k, v, mask, scale):
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1)
 
 
 class _RecomputeAttention(torch.nn.Module):
@@ -193,7 +144,7 @@ class _RecomputeAttention(torch.nn.Module):
             if self.probe_only:
                 raise _Probed
             if not kernel:
-                out = attend(q, k_all, v_all, self.positions, lay.scale)
+                out = attend_by_position(q, k_all, v_all, self.positions, lay.scale)
         return out.reshape(s, lay.num_heads * lay.head_size)
 
 
