@@ -7,15 +7,20 @@ up to its own position -> ``[S, Hq, D]``. On CUDA the Triton kernel (``triton_at
 only the keys each block of queries needs, in one launch; elsewhere, and where the queries are
 every position (the plain causal kernel), torch SDPA (``attend_by_position_reference``).
 ``impl="torch"`` / ``"triton"`` forces one (``"triton"`` on CPU tensors needs
-``TRITON_INTERPRET=1``, as in the tests).
+``TRITON_INTERPRET=1``, as in the tests). Shapes whose tiles do not fit a GPU's shared memory
+fall back to the torch version (logged once per shape).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from .dispatch import use_triton
+
+logger = logging.getLogger("vllm.semshare.kernels")
 
 
 def attend_by_position(
@@ -26,11 +31,28 @@ def attend_by_position(
     scale: float,
     impl: str = "auto",
 ) -> torch.Tensor:
-    if use_triton(q, impl) and not _every_position(q_pos, k.shape[0]):
+    shape = (q.dtype, q.shape[1], k.shape[1], q.shape[2], q.device)
+    if use_triton(q, impl) and not _every_position(q_pos, k.shape[0]) and shape not in _TOO_BIG:
+        from triton.runtime.errors import OutOfResources
+
         from .triton_attention import attend_by_position as triton_attend
 
-        return triton_attend(q, k, v, q_pos, scale)
+        try:
+            return triton_attend(q, k, v, q_pos, scale)
+        except OutOfResources as exc:
+            # Its tiles outgrow this GPU's shared memory (fp32 at head 128 on an L4, say):
+            # the torch version serves these shapes from now on.
+            _TOO_BIG.add(shape)
+            logger.warning(
+                "SemShare: the Triton attention kernel does not fit this GPU for %s "
+                "(%s); the recompute attends through torch SDPA for these shapes",
+                shape[:4],
+                exc,
+            )
     return attend_by_position_reference(q, k, v, q_pos, scale)
+
+
+_TOO_BIG: set[tuple] = set()  # (dtype, Hq, Hkv, D, device) the kernel did not fit
 
 
 def _every_position(q_pos: torch.Tensor, n: int) -> bool:
