@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from semshare_vllm.discovery.embedder import make_embedder
+from semshare_vllm.testbed.timing import median_ms
 
 LENGTHS = (512, 2048, 8192)
 
@@ -64,16 +63,6 @@ def prepare(out: Path) -> None:
     torch.save(cases, out / "cases.pt")
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, kernels' first launch
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def check(folder: Path, repeats: int) -> None:
     cases = torch.load(folder / "cases.pt", weights_only=False)
     devices = ["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"]
@@ -94,7 +83,7 @@ def check(folder: Path, repeats: int) -> None:
             assert e.segments.shape == case["segments"].shape, (e.segments.shape, n)
             doc = float(np.dot(e.vector, case["vector"]))
             window = float(np.min(np.sum(e.segments * case["segments"], axis=1)))
-            ms = _median_ms(lambda t=case["text"]: emb.embed(t), repeats)
+            ms = median_ms(lambda t=case["text"]: emb.embed(t), repeats)
             print(
                 f"| {device} ({emb.name}) | {n} | {len(e.segments)} | {doc:.6f} | {window:.6f} "
                 f"| {ms:.1f} ms |"

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,6 +32,7 @@ from semshare_vllm.kernels.page_move import move_aligned_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec, page_spec
 from semshare_vllm.testbed import rope_tables
+from semshare_vllm.testbed.timing import median_ms
 
 
 @dataclass(frozen=True)
@@ -142,21 +141,7 @@ def build_case(
 
 
 def median_seconds(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up (and Triton compile)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_ms(fn, repeats, device) / 1e3
 
 
 def print_table(headers: list[str], rows: list[list]) -> None:

@@ -22,8 +22,6 @@ script; the kernel then is the torch version).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -32,6 +30,7 @@ from semshare_vllm.kernels.position_attention import (
     attend_by_position,
     attend_by_position_reference,
 )
+from semshare_vllm.testbed.timing import median_ms
 
 HQ, HKV, D = 28, 4, 128
 
@@ -79,25 +78,6 @@ def flex_kept_mask():
     return fn
 
 
-def timed(fn, repeats: int, device: str) -> float:
-    """Median milliseconds of ``fn`` after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run(tokens: int, share: float, repeats: int, device: str, variants) -> list[str]:
     g = torch.Generator().manual_seed(0)
     scale = D**-0.5
@@ -110,11 +90,11 @@ def run(tokens: int, share: float, repeats: int, device: str, variants) -> list[
     want = attend_by_position_reference(q.float(), k.float(), v.float(), q_pos, scale)
     cells = []
     for fn in variants:
-        ms = timed(lambda f=fn: f(q, k, v, q_pos, scale), repeats, device)
+        ms = median_ms(lambda f=fn: f(q, k, v, q_pos, scale), repeats, device)
         err = (fn(q, k, v, q_pos, scale).float() - want).abs().max().item()
         cells.append(f"{ms:.3f} ms (err {err:.2g})")
     everything = torch.arange(tokens, device=device)
-    cold = timed(lambda: attend_by_position(q_all, k, v, everything, scale), repeats, device)
+    cold = median_ms(lambda: attend_by_position(q_all, k, v, everything, scale), repeats, device)
     return [str(tokens), f"{share:.0%}", str(len(q_pos)), *cells, f"{cold:.3f} ms"]
 
 
