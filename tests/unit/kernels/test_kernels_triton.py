@@ -91,6 +91,16 @@ else:
         correct_rope(in_place, src, dst, table, out=in_place, impl="triton")
         assert torch.equal(in_place, got)
 
+    @pytest.fixture
+    def launches(monkeypatch):
+        """The layer stacks of each kernel launch (one launch per stack)."""
+        seen = []
+        stack = triton_gather.stack_layers
+        monkeypatch.setattr(
+            triton_gather, "stack_layers", lambda caches: seen.append(stack(caches)) or seen[-1]
+        )
+        return seen
+
     L, B, H, N = 3, 8, 2, 16
     T_SRC, M = 50, 45
 
@@ -137,17 +147,10 @@ else:
         "rope", [None, "neox", "partial", "partial_gptj", "yarn", "neox_head80"]
     )
     def test_gather_kernel_matches_reference(
-        tables, monkeypatch, kind, arrangement, src_dtype, cache_dtype, rope
+        tables, launches, kind, arrangement, src_dtype, cache_dtype, rope
     ):
         table = tables[rope] if rope else None
         head = table.head_size if table else 64
-        launches = []
-        stack = triton_gather.stack_layers
-        monkeypatch.setattr(
-            triton_gather,
-            "stack_layers",
-            lambda caches: launches.append(stack(caches)) or launches[-1],
-        )
         g = torch.Generator().manual_seed(3)
         src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(DEVICE, src_dtype).transpose(0, 1)
         rows = torch.randint(0, T_SRC, (M,), generator=g)
@@ -168,7 +171,7 @@ else:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("backend, layout", GPU_CASES, ids=GPU_CASE_IDS)
     def test_gather_kernel_into_vllm_033_layer_views(
-        tables, monkeypatch, backend, layout, dtype, rope
+        tables, launches, backend, layout, dtype, rope
     ):
         """Into the per-layer views CUDA vLLM 0.33 registers (every layout of every backend, all
         layers over one buffer: ``support.gpu_layouts``), the kernel writes what the reference
@@ -183,13 +186,6 @@ else:
             fill(views, seed=5)
             return views
 
-        launches = []
-        stack = triton_gather.stack_layers
-        monkeypatch.setattr(
-            triton_gather,
-            "stack_layers",
-            lambda caches: launches.append(stack(caches)) or launches[-1],
-        )
         g = torch.Generator().manual_seed(6)
         src = torch.randn(T_SRC, L, H, 2 * head, generator=g).to(DEVICE, dtype).transpose(0, 1)
         rows = torch.randint(0, T_SRC, (M,), generator=g).to(DEVICE)
