@@ -29,7 +29,7 @@ import torch
 
 from semshare_vllm.kernels import RopeTable, gather_rearrange, stage_rows, triton_gather
 from semshare_vllm.kernels.page_move import move_aligned_rows
-from semshare_vllm.layout.paged_cache import slots_for
+from semshare_vllm.layout.paged_cache import per_layer_stacks, slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec, page_spec
 from semshare_vllm.testbed import rope_tables
 from semshare_vllm.testbed.timing import median_ms
@@ -287,9 +287,7 @@ def gpu_row(
         case.offsets = dataclasses.replace(case.offsets, token_stride=None, channel_stride=None)
     stack = triton_gather.stack_layers
     if per_layer:
-        triton_gather.stack_layers = lambda caches: [
-            (slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)
-        ]
+        triton_gather.stack_layers = per_layer_stacks
     try:
         seconds = median_seconds(partial(case.move, "triton"), args.repeats, device)
     finally:

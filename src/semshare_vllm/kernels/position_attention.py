@@ -31,8 +31,10 @@ def attend_by_position(
     scale: float,
     impl: str = "auto",
 ) -> torch.Tensor:
+    if _every_position(q_pos, k.shape[0]):
+        return _sdpa(q, k, v, None, scale)  # the plain causal kernel, on any device
     shape = (q.dtype, q.shape[1], k.shape[1], q.shape[2], q.device)
-    if use_triton(q, impl) and not _every_position(q_pos, k.shape[0]) and shape not in _TOO_BIG:
+    if use_triton(q, impl) and shape not in _TOO_BIG:
         from triton.runtime.errors import OutOfResources
 
         from .triton_attention import attend_by_position as triton_attend
@@ -49,7 +51,7 @@ def attend_by_position(
                 shape[:4],
                 exc,
             )
-    return attend_by_position_reference(q, k, v, q_pos, scale)
+    return _attend_in_chunks(q, k, v, q_pos, scale)
 
 
 _TOO_BIG: set[tuple] = set()  # (dtype, Hq, Hkv, D, device) the kernel did not fit
@@ -65,9 +67,13 @@ def attend_by_position_reference(
 ) -> torch.Tensor:
     """Torch reference: SDPA (fp32 softmax), the plain causal kernel where the queries are
     every position, else masked calls over chunks of consecutive queries."""
-    s = q.shape[0]
     if _every_position(q_pos, k.shape[0]):
-        return _sdpa(q, k, v, None, scale)  # the plain causal kernel
+        return _sdpa(q, k, v, None, scale)
+    return _attend_in_chunks(q, k, v, q_pos, scale)
+
+
+def _attend_in_chunks(q, k, v, q_pos, scale):
+    s = q.shape[0]
     out = torch.empty_like(q)
     chunks = attend_chunks(s, int(q_pos[-1]) + 1, q.shape[1], q.device)
     bounds = [s * i // chunks for i in range(chunks + 1)]

@@ -36,6 +36,11 @@ def stack_layers(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]
         ):
             stacked = torch.as_strided(first, shape, strides, first.storage_offset())
             return [(slice(0, len(caches)), stacked)]
+    return per_layer_stacks(caches)
+
+
+def per_layer_stacks(caches: list[torch.Tensor]) -> list[tuple[slice, torch.Tensor]]:
+    """One ``[1, blocks, H, N, C]`` stack per layer: ``stack_layers``' fallback."""
     return [(slice(i, i + 1), c.unsqueeze(0)) for i, c in enumerate(caches)]
 
 

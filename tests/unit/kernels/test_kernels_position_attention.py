@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from support.attention import causal_probs
 
 from semshare_vllm.kernels import position_attention
 from semshare_vllm.kernels.position_attention import (
@@ -32,13 +33,9 @@ def _inputs(positions, n=N, hq=HQ, hkv=HKV, d=D, seed=0):
 
 
 def _plain(q, k, v, q_pos, scale):
-    """[S, Hq, D]: each query head's softmax over the keys up to its query's position, fp64."""
-    group = q.shape[1] // k.shape[1]
-    kk, vv = (t.double().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
-    scores = q.double().transpose(0, 1) @ kk.transpose(1, 2) * scale
-    seen = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
-    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-    return (probs @ vv).transpose(0, 1)
+    """[S, Hq, D] in fp64: each query head's softmax-weighted values up to its position."""
+    vv = v.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1)
+    return (causal_probs(q, k, q_pos, scale) @ vv).transpose(0, 1)
 
 
 def _run(impl, q, k, v, q_pos, scale, dtype=torch.float32):
@@ -132,21 +129,30 @@ def test_the_reference_is_the_same_in_any_number_of_chunks(monkeypatch, chunks):
 
 
 def test_auto_runs_the_kernel_on_cuda_only(monkeypatch):
-    """CPU tensors: the torch version, also where the interpreter is on; the queries at every
-    position: the plain causal SDPA kernel, on any device."""
+    """CPU tensors: the torch version (masked SDPA), also where the interpreter is on; the
+    queries at every position: the plain causal SDPA kernel, on any device, the kernel forced
+    or not. The Triton kernel runs in neither case."""
+    from semshare_vllm.kernels import triton_attention
+
+    def no_kernel(*args):
+        raise AssertionError("the Triton kernel ran")
+
+    monkeypatch.setattr(triton_attention, "attend_by_position", no_kernel)
     ran = []
-    real = attend_by_position_reference
+    real = position_attention._sdpa
     monkeypatch.setattr(
         position_attention,
-        "attend_by_position_reference",
-        lambda *a: ran.append("torch") or real(*a),
+        "_sdpa",
+        lambda q, k, v, mask, scale: ran.append(mask is None) or real(q, k, v, mask, scale),
     )
     positions = np.sort(np.random.default_rng(7).choice(N, 30, replace=False))
     q, k, v, q_pos = _inputs(positions)
     attend_by_position(q, k, v, q_pos, SCALE)
+    assert ran and not any(ran)  # masked calls only
+    ran.clear()
     q_all, *_ = _inputs(np.arange(N))
     attend_by_position(q_all, k, v, torch.arange(N), SCALE, impl="triton")
-    assert ran == ["torch", "torch"]
+    assert ran == [True]  # one causal call
 
 
 def test_shapes_the_kernel_does_not_fit_fall_back_to_torch_once(monkeypatch, caplog):
