@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import torch
+from support.attention import causal_probs
 
 from semshare_vllm.recompute.layer_runner import tail_attention
 
@@ -20,19 +21,11 @@ def _inputs(positions):
     return q, k, v, torch.as_tensor(positions)
 
 
-def _probs(q, k, q_pos):
-    """[Hq, t, N]: each query head's softmax over the keys up to its query's position."""
-    kk = k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)  # [Hq, N, D]
-    scores = q.transpose(0, 1) @ kk.transpose(1, 2) * SCALE
-    seen = torch.arange(N)[None, :] <= q_pos[:, None]
-    return torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-
-
 def test_tail_attention_sums_the_last_queries_attention_per_key():
     positions = np.sort(np.random.default_rng(2).choice(N, 60, replace=False))
     q, k, _, q_pos = _inputs(positions)
     first = int(positions[-12])  # the last 12 queries are the window's
-    want = _probs(q, k, q_pos)[:, q_pos >= first].sum((0, 1))
+    want = causal_probs(q, k, q_pos, SCALE)[:, q_pos >= first].sum((0, 1)).float()
     got = tail_attention(q, k, q_pos, first, SCALE)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got.shape == (N,) and math.isclose(float(got.sum()), HQ * 12, rel_tol=1e-5)
