@@ -158,14 +158,15 @@ class Endpoint:
 
     def reference_nll(
         self, prompt: str, reference: str, reuse: bool, cache_salt: str | None = None
-    ) -> float:
+    ) -> tuple[float, int]:
         """Mean negative log-likelihood of ``reference`` after ``prompt`` (nats per token), from
-        vLLM's prompt logprobs. ``reuse``: the connector may serve the prompt (its reuse is
-        limited to the prompt, so vLLM scores every reference token); else it is opted out."""
+        vLLM's prompt logprobs, and how many tokens it is the mean of. ``reuse``: the connector
+        may serve the prompt (its reuse is limited to the prompt, so vLLM scores every reference
+        token); else it is opted out."""
         head = self.tokenize(prompt)
         tail = self.tokenize(reference, add_special_tokens=False)
         if not tail:
-            return float("nan")
+            return float("nan"), 0
         params = {"semshare_reuse_limit": len(head) - 1} if reuse else {"semshare": "off"}
         body = {
             "model": self.model,
@@ -181,4 +182,4 @@ class Endpoint:
         resp.raise_for_status()
         rows = resp.json()["choices"][0]["prompt_logprobs"][len(head) :]
         nll = [-row[str(tok)]["logprob"] for row, tok in zip(rows, tail)]
-        return math.fsum(nll) / len(nll)
+        return math.fsum(nll) / len(nll), len(nll)

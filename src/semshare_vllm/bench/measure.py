@@ -34,6 +34,7 @@ class Measured:
     cold_nll: float | None = None
     served_nll: float | None = None
     scored_tokens: int = 0
+    reference_tokens: int = 0  # the reference's tokens both NLLs are the mean of
     # the target cold again, beside another request (None: no noise floor measured)
     noise: Completion | None = None
     # the served request's repair, from the connector's metrics (None: not repaired, or the
@@ -185,9 +186,11 @@ def _score(endpoint: Endpoint, m: Measured, salt: str) -> None:
     """The reference's NLL after the prompt, cold (opted out, its own salt) and through the
     connector (reuse limited to the prompt)."""
     r = m.request
-    m.cold_nll = endpoint.reference_nll(r.prompt, r.reference, reuse=False, cache_salt=salt)
+    m.cold_nll, m.reference_tokens = endpoint.reference_nll(
+        r.prompt, r.reference, reuse=False, cache_salt=salt
+    )
     before = endpoint.counters()
-    m.served_nll = endpoint.reference_nll(r.prompt, r.reference, reuse=True)
+    m.served_nll, _ = endpoint.reference_nll(r.prompt, r.reference, reuse=True)
     m.scored_tokens = _claimed(endpoint, before)
 
 

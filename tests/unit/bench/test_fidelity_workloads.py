@@ -380,3 +380,50 @@ def test_the_report_counts_the_hits_that_answered_as_cold():
     assert "| hits as cold (lowest ROUGE-L) |" in lines[0]
     assert "| 3 / 5 (0.00) |" in lines[2]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+# ---- the report: the perplexity ratio of the hits' references ------------------------------
+def _scored(cold_nll: float, served_nll: float, tokens: int) -> Measured:
+    m = _measured("1985", "1985", workload="doc-qa")
+    m.cold_nll, m.served_nll, m.scored_tokens, m.reference_tokens = cold_nll, served_nll, 90, tokens
+    return m
+
+
+def test_the_pooled_perplexity_ratio_weighs_every_reference_token_alike():
+    """doc-qa's references are its answers, 2-5 tokens each: one by one their ratios scatter
+    both ways (1K doc-qa: 0.91 to 1.06), so the median of three says little. Taken as one text
+    the hits' references give the workload's perplexity ratio, printed beside the median."""
+    import math
+
+    hits = [_scored(1.0, 1.2, 2), _scored(2.0, 2.05, 3), _scored(1.5, 1.49, 20)]
+    s = report.summarize(hits)["doc-qa"]
+    assert s["perplexity_ratio_hits"] == pytest.approx(math.exp(0.05))  # the median target's
+    excess = (2 * 0.2 + 3 * 0.05 - 20 * 0.01) / 25
+    assert s["perplexity_ratio_pooled_hits"] == pytest.approx(math.exp(excess))
+    assert [r["reference_tokens"] for r in report.request_rows(hits)] == [2, 3, 20]
+    lines = report.table({1024: {"doc-qa": s}}).splitlines()
+    assert "| PPL ratio (hits: median / pooled) |" in lines[0]
+    assert f"| {math.exp(0.05):.3f} / {math.exp(excess):.3f} |" in lines[2]
+    # nothing scored: both are missing, and so is the cell
+    unscored = report.summarize([_measured("1985", "1985", workload="doc-qa")])["doc-qa"]
+    assert unscored["perplexity_ratio_pooled_hits"] is None
+    assert "| - | 100% / 100% |" in report.table({1024: {"doc-qa": unscored}}).splitlines()[2]
+
+
+def test_scoring_keeps_how_many_reference_tokens_each_nll_is_the_mean_of():
+    from semshare_vllm.bench import measure
+
+    class Scoring:
+        def __init__(self):
+            self.lookups = 0
+
+        def counters(self):
+            self.lookups += 1
+            return {"lookups": self.lookups, "hit_tokens": 90 * (self.lookups > 1)}
+
+        def reference_nll(self, prompt, reference, reuse, cache_salt=None):
+            return (1.25 if reuse else 1.0), 4
+
+    m = _measured("1985", "1985", workload="doc-qa")
+    measure._score(Scoring(), m, "salt")
+    assert (m.cold_nll, m.served_nll, m.reference_tokens, m.scored_tokens) == (1.0, 1.25, 4, 90)
