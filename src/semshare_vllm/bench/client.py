@@ -23,6 +23,15 @@ class Completion:
     total_s: float  # end to end
     cached_tokens: int | None  # prompt_tokens_details.cached_tokens (vLLM's and ours)
     prompt_tokens: int | None
+    output_tokens: int | None = None  # usage.completion_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (``vllm bench serve``'s TPOT; None: fewer than
+        two, or not reported): a decode step, one token's forward over the whole context."""
+        if not self.output_tokens or self.output_tokens < 2:
+            return None
+        return (self.total_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 _COUNTER = re.compile(r"^vllm:semshare_(\w+)_total\{[^}]*\} (\S+)$", re.M)
@@ -144,6 +153,7 @@ class Endpoint:
             time.perf_counter() - t0,
             details.get("cached_tokens"),
             usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
         )
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

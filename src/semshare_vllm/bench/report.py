@@ -28,6 +28,9 @@ def _ttft(completions) -> dict[str, float]:
         "std_ttft_ms": float(ms.std()),
         "p99_ttft_ms": float(np.percentile(ms, 99)),
         "mean_e2el_ms": float(np.mean([c.total_s * 1e3 for c in completions])),
+        "median_tpot_ms": _median(
+            None if c.tpot_s is None else c.tpot_s * 1e3 for c in completions
+        ),
     }
 
 
@@ -134,7 +137,9 @@ def summarize(results: list[Measured]) -> dict:
 def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
     """Medians over the hits of each part of their time the connector reports, and of what
     is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and forward, the first
-    sample, the HTTP round trip), over the hits that reported every part it subtracts."""
+    sample, the HTTP round trip), over the hits that reported every part it subtracts; and of
+    their time per output token (``tpot``: a decode step, one token's forward over the context,
+    the work of the prompt's last token, which vLLM computes itself in a hit, inside ``vllm``)."""
     out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
     out["recompute_whole"] = _median(m.recompute_whole_ms for m in hits)
     out["vllm"] = _median(
@@ -142,6 +147,7 @@ def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
         for m in hits
         if all(part in m.timings for part in TIMINGS)
     )
+    out["tpot"] = _median(None if m.served.tpot_s is None else m.served.tpot_s * 1e3 for m in hits)
     return out
 
 
@@ -287,18 +293,19 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
 
 def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
     """Where the hits' time went: one row per context length and workload with hits (medians
-    over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports)."""
+    over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports; "TPOT",
+    a decode step, is about what vLLM's own forward of the prompt's last token costs inside it)."""
     lines = [
         "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
-        "recompute | of which layers run whole | vLLM & rest |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
             b = s.get("breakdown_hits_ms") or {}
             if not s["hits"] or not any(v is not None for v in b.values()):
                 continue
-            parts = (*TIMINGS, "recompute_whole", "vllm")
+            parts = (*TIMINGS, "recompute_whole", "vllm", "tpot")
             cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
             hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
             lines.append(f"| {tokens:,} | {name} | {hit} | {cells} |")

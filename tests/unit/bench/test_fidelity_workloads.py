@@ -322,7 +322,9 @@ def test_each_hits_time_breakdown_is_read_from_the_connectors_metrics():
     assert (a.recompute_whole_ms, b.recompute_whole_ms) == (30, None)
     assert got["recompute_whole"] == pytest.approx(30)
     row = report.breakdown_table({512: {"entity-swap": s}}).splitlines()[2]
-    assert row == "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 30 ms | 68 ms |"
+    assert row == (
+        "| 512 | entity-swap | 100 ms | 5 ms | 4 ms | 15 ms | 50 ms | 30 ms | 68 ms | - |"
+    )
     assert report.request_rows([a])[0]["timings_ms"] == a.timings
     assert report.request_rows([a])[0]["recompute_whole_ms"] == 30
     # by layer: a's (b and c reported none)
@@ -427,3 +429,23 @@ def test_scoring_keeps_how_many_reference_tokens_each_nll_is_the_mean_of():
     m = _measured("1985", "1985", workload="doc-qa")
     measure._score(Scoring(), m, "salt")
     assert (m.cold_nll, m.served_nll, m.reference_tokens, m.scored_tokens) == (1.0, 1.25, 4, 90)
+
+
+def test_the_breakdown_shows_a_decode_step_beside_what_is_left_of_a_hit():
+    """Issue 21 asks the breakdown for the compute vLLM does itself. In a semantic hit that is
+    the forward of the prompt's last token: one token over the whole context, a decode step's
+    work. 2K cross-instruction hits left 115 ms as "vLLM & rest", of which a decode step took
+    84 ms: the part no connector can take out."""
+    a, b, c = (_measured("1985", "1985") for _ in range(3))
+    a.served = Completion("1985", 0.1, 0.1 + 31 * 0.08, 0, 100, output_tokens=32)  # 80 ms
+    b.served = Completion("1985", 0.1, 0.1 + 31 * 0.06, 0, 100, output_tokens=32)  # 60 ms
+    c.served = Completion("1985", 0.1, 0.5, 0, 100, output_tokens=1)  # one token: no step
+    assert a.served.tpot_s == pytest.approx(0.08) and c.served.tpot_s is None
+    assert Completion("1985", 0.1, 0.2, 0, 100).tpot_s is None  # count not reported
+    s = report.summarize([a, b, c])["entity-swap"]
+    assert s["breakdown_hits_ms"]["tpot"] == pytest.approx(70)
+    assert s["semshare_hits"]["median_tpot_ms"] == pytest.approx(70)  # vllm bench serve's name
+    lines = report.breakdown_table({512: {"entity-swap": s}}).splitlines()
+    assert lines[0].endswith("| vLLM & rest | TPOT (a decode step) |")
+    assert lines[2].endswith("| 70 ms |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
