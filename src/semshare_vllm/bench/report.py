@@ -130,8 +130,28 @@ def summarize(results: list[Measured]) -> dict:
                 }
                 for lvl in levels
             }
+        layers = summary["recompute_layers_hits_ms"]
+        summary["ceiling_hits"] = ceiling(
+            summary["recompute_share_hits"], len(layers) if layers else None
+        )
+        summary["of_ceiling_hits"] = (
+            summary["hit_only_speedup"] / summary["ceiling_hits"]
+            if summary["ceiling_hits"] and summary["hit_only_speedup"]
+            else None
+        )
         out[name] = summary
     return out
+
+
+def ceiling(share: float | None, layers: int | None) -> float | None:
+    """Issue 21's ceiling on a hit's speed-up for its recompute share (recomputed token-layers
+    over served ones, layers 0 and 1 counted whole): layer 0 in full, a quarter of layer 1 (the
+    probe's K/V of every position), the rest of layer 1 and every layer after it for the share
+    r of the tokens: L / (1.25 + 0.75r + r(L - 2)). None: share or layer count unknown."""
+    if share is None or not layers or layers < 3:
+        return None
+    r = max(0.0, (share * layers - 2) / (layers - 2))
+    return layers / (1.25 + 0.75 * r + r * (layers - 2))
 
 
 def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
@@ -294,21 +314,26 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
 def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
     """Where the hits' time went: one row per context length and workload with hits (medians
     over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports; "TPOT",
-    a decode step, is about what vLLM's own forward of the prompt's last token costs inside it)."""
+    a decode step, is about what vLLM's own forward of the prompt's last token costs inside it;
+    then ``ceiling`` for the hits' recompute share, and the share of it their speed-up reached)."""
     lines = [
         "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
-        "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) | "
+        "ceiling for the share | of it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tokens, by_workload in summaries.items():
         for name, s in by_workload.items():
             b = s.get("breakdown_hits_ms") or {}
-            if not s["hits"] or not any(v is not None for v in b.values()):
+            known = any(v is not None for v in b.values()) or s.get("ceiling_hits") is not None
+            if not s["hits"] or not known:
                 continue
             parts = (*TIMINGS, "recompute_whole", "vllm", "tpot")
             cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
             hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
-            lines.append(f"| {tokens:,} | {name} | {hit} | {cells} |")
+            top = _fmt(s.get("ceiling_hits"), ".1f", "x")
+            reached = _fmt(s.get("of_ceiling_hits"), ".2f")
+            lines.append(f"| {tokens:,} | {name} | {hit} | {cells} | {top} | {reached} |")
     return "\n".join(lines)
 
 
