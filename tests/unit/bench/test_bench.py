@@ -229,6 +229,7 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     result = json.loads(out.read_text())
     assert result["complete"] and result["config"]["context_tokens"] == [512]
     by = result["results"]["512"]["workloads"]
+    rows = result["results"]["512"]["requests"]
     assert set(by) == set(W.WORKLOADS)
     # as users run vLLM (prefix caching on, its default block size): the next turn of a chat
     # is served by vLLM's own cache, the other workloads share no prefix with their donors
@@ -249,9 +250,12 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     # references scored after hits: vLLM's prompt logprobs, the connector serving the prompt
     for name in ("cross-instruction", "doc-qa"):
         assert 0.5 < by[name]["perplexity_ratio_hits"] < 2.0, (name, by[name])
+        assert 0.5 < by[name]["perplexity_ratio_pooled_hits"] < 2.0, (name, by[name])
+        # each hit's decode steps (8 tokens each): what vLLM's forward of one token costs
+        assert 0 < by[name]["breakdown_hits_ms"]["tpot"] < by[name]["cold"]["median_ttft_ms"]
+    assert all(r["reference_tokens"] > 0 for r in rows if r["reference_nll_cold"] is not None)
     assert by["rag-reorder"]["perplexity_ratio_hits"] is None
     assert set(by["edit"]["by_edit_level"]) == {f"{x:.1f}" for x in W.EDIT_LEVELS}
-    rows = result["results"]["512"]["requests"]
     assert all(r["cold_output"] and r["semshare_output"] and r["noise_output"] for r in rows)
     assert all(0.0 <= s["rouge_l_noise_floor"] <= 1.0 for s in by.values())
     assert "| 512 | cross-instruction |" in printed and "| 512 | entity-swap |" in printed
@@ -261,6 +265,12 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     # the repair each workload's hits got (the default adaptive policy)
     assert 0 < by["cross-instruction"]["recompute_share_hits"] <= 2.0
     assert 0 <= by["cross-instruction"]["escalation_rate_hits"] <= 1
+    # and the hits against issue 21's ceiling for that share (30 layers reported per hit)
+    assert len(by["cross-instruction"]["recompute_layers_hits_ms"]) == 30
+    assert (
+        by["cross-instruction"]["ceiling_hits"] > 1
+        and by["cross-instruction"]["of_ceiling_hits"] > 0
+    )
 
 
 def test_a_group_sends_its_donor_then_measures_its_targets(monkeypatch):
