@@ -28,10 +28,12 @@ def _ttft(completions) -> dict[str, float]:
         "std_ttft_ms": float(ms.std()),
         "p99_ttft_ms": float(np.percentile(ms, 99)),
         "mean_e2el_ms": float(np.mean([c.total_s * 1e3 for c in completions])),
-        "median_tpot_ms": _median(
-            None if c.tpot_s is None else c.tpot_s * 1e3 for c in completions
-        ),
+        "median_tpot_ms": _median_tpot_ms(completions),
     }
+
+
+def _median_tpot_ms(completions) -> float | None:
+    return _median(None if c.tpot_s is None else c.tpot_s * 1e3 for c in completions)
 
 
 def _ratio(a: list[float], b: list[float]) -> float | None:
@@ -167,7 +169,7 @@ def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
         for m in hits
         if all(part in m.timings for part in TIMINGS)
     )
-    out["tpot"] = _median(None if m.served.tpot_s is None else m.served.tpot_s * 1e3 for m in hits)
+    out["tpot"] = _median_tpot_ms(m.served for m in hits)
     return out
 
 
