@@ -73,10 +73,21 @@ class RecomputeConfig(Section):
     )
     recompute_sentinels: float = knob(
         0.03,
-        "Adaptive: share of the loaded tokens (at least 8) carried past the check layer to the "
+        "Adaptive: share of the loaded tokens (at least 8, at most recompute_max_sentinels) "
+        "carried past the check layer to the "
         "gate layer to measure what the tokens not recomputed would deviate there.",
         minimum=0.0,
         maximum=1.0,
+    )
+    recompute_max_sentinels: int = knob(
+        64,
+        "Adaptive: the most sentinel tokens carried to the gate layer, whatever "
+        "recompute_sentinels gives (long prompts). The gate's estimate is as precise as its "
+        "sample is large, not as its share of the prompt: resampled on 9 real targets of 4K "
+        "tokens, its decision went the other way from the true error's in 1.2% of draws of 32 "
+        "sentinels, 0.7% of 64, none of 128 (benchmarks/gate_sentinels.py). Each sentinel costs "
+        "a token's work in every layer up to the gate (docs/benchmarks.md, sentinels).",
+        minimum=8,
     )
     recompute_attention_window: int = knob(
         32,

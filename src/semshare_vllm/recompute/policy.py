@@ -213,8 +213,10 @@ class Adaptive(Selection):
       ``w * deviation`` until the error left there is under ``bound / CHECK_TO_GATE`` (at
       least ``min_share`` / ``min_tokens``, at most ``max_share``; ``always`` on top).
       ``measured`` and ``residual`` are the check layer's error before and after.
-    * Sentinels: ``sentinels`` of the candidates left (at least 8), drawn at random with a
-      fixed seed (every tensor-parallel rank draws the same), go on to the gate layer.
+    * Sentinels: ``sentinels`` of the candidates left (at least 8, at most ``max_sentinels``:
+      the estimate is as precise as the sample is large, whatever the prompt's length), drawn
+      at random with a fixed seed (every tensor-parallel rank draws the same), go on to the
+      gate layer.
     * Gate layer: the sentinels' deviation there, weighted by that layer's ``w``, estimates the
       error of every position left (``gate_residual``: the weight left times the sentinels'
       weighted mean deviation). Above ``bound`` the selection escalates (``Escalate``): first
@@ -242,6 +244,7 @@ class Adaptive(Selection):
         window: int = 32,
         min_tokens: int = 0,
         decline_share: float = 1.0,
+        max_sentinels: int = 64,
     ):
         super().__init__(candidates, always)
         self.bound, self.min_share, self.max_share = bound, min_share, max_share
@@ -249,7 +252,7 @@ class Adaptive(Selection):
         self.check_layer, self.window, self.min_tokens = check_layer, window, min_tokens
         # no gate where it would not come after the check layer
         self.gate_layer = gate_layer if gate_layer > check_layer else None
-        self.sentinel_share = sentinels
+        self.sentinel_share, self.max_sentinels = sentinels, max_sentinels
         self._rng = np.random.default_rng(len(self.candidates))
         self._passes = 0  # how many times the runner went through the check layer
         # per candidate index: its check-layer score (weighted deviation); the order to
@@ -318,7 +321,8 @@ class Adaptive(Selection):
         if self.gate_layer is not None:
             # never one an earlier pass recomputed past the check: its KV there is fresh
             pool = np.setdiff1d(self._order[count:], self._touched)
-            size = min(len(pool), max(int(round(self.sentinel_share * len(self.candidates))), 8))
+            share = int(round(self.sentinel_share * len(self.candidates)))
+            size = min(len(pool), max(min(share, self.max_sentinels), 8))
             self._sentinels = np.sort(self._rng.choice(pool, size, replace=False))
         self._touched = np.union1d(self._touched, np.union1d(self._kept, self._sentinels))
         return np.union1d(self._kept, self._sentinels)
@@ -444,6 +448,7 @@ def make_selection(
             config.recompute_attention_window,
             config.recompute_min_tokens,
             config.recompute_decline_share,
+            config.recompute_max_sentinels,
         )
     if policy == "semsharekv":
         return SemShareKV(

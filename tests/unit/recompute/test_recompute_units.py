@@ -120,6 +120,20 @@ def checked():
     return sel, keep
 
 
+def test_adaptive_sentinels_are_a_share_of_the_candidates_at_most_max_sentinels():
+    """The gate's estimate is as precise as its sample is large, not as its share: long prompts
+    carry no more sentinels than ``max_sentinels`` (and short ones at least 8)."""
+    wide = adaptive(sentinels=0.3)
+    wide.after_layer(check_probe(wide))
+    assert len(wide._sentinels) == 30  # 30% of the 100 candidates
+    capped = adaptive(sentinels=0.3, max_sentinels=12)
+    capped.after_layer(check_probe(capped))
+    assert len(capped._sentinels) == 12 and not set(capped._sentinels) & set(capped._kept)
+    floor = adaptive(sentinels=0.01, max_sentinels=12)
+    floor.after_layer(check_probe(floor))
+    assert len(floor._sentinels) == 8
+
+
 def gate_probe(sel, keep, sentinel_root):
     root = np.zeros(len(keep))
     root[np.isin(keep, sel._sentinels)] = sentinel_root
@@ -204,6 +218,7 @@ def test_make_selection_follows_the_config():
             "recompute_check_layer": 0,
             "recompute_min_tokens": 3,
             "semsharekv_window": 8,
+            "recompute_max_sentinels": 16,
         },
         environ={},
     )
@@ -217,6 +232,7 @@ def test_make_selection_follows_the_config():
     ad = make_selection("adaptive", loaded, np.array([5]), cfg)
     assert isinstance(ad, Adaptive) and ad.bound == cfg.recompute_error_bound
     assert ad.gate_layer == cfg.recompute_gate_layer and ad.min_tokens == 3
+    assert ad.max_sentinels == 16
     assert SemShareConfig().recompute_policy == "adaptive"
     with pytest.raises(ValueError):
         make_selection("none", loaded, np.array([]), cfg)
