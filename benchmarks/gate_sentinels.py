@@ -9,6 +9,13 @@ population whose weighted mean the gate estimates. The gate's estimate is then r
 (escalate or not: above ``recompute_error_bound`` or not) is the other way from the true
 error's, and the spread of its relative error (p10 / p90).
 
+Then, per check-layer aim (``--aims``: the check layer keeps positions until the error left
+there is under the bound over the aim; the policy's is ``Adaptive.CHECK_TO_GATE``), what a
+lower aim would cost and save: the positions it keeps on top of the policy's, in the check
+layer's order (their gate deviation taken as 0, the others' as measured), how often a gate
+of ``recompute_max_sentinels`` would escalate, and how many targets' true error stays over
+the bound.
+
     .venv/bin/python benchmarks/gate_sentinels.py --size 1024 --workloads doc-qa,entity-swap,rag-qa
 """
 
@@ -22,7 +29,7 @@ from recompute_quality import bench_for, engine
 
 from semshare_vllm.bench.workloads import Sizer, build
 from semshare_vllm.config import SemShareConfig
-from semshare_vllm.recompute.policy import Adaptive
+from semshare_vllm.recompute.policy import Adaptive, _first_at_most, _left_after
 from semshare_vllm.testbed import models
 
 SAMPLE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -42,11 +49,32 @@ class _Population(Adaptive):
             np.sqrt(np.clip(probe.deviation[sent], 0, None)),
             float(weight[left].sum()),
         )
+        self.check_score = self._score[idx[sent]]  # what orders them at the check layer
         return super()._gate(probe)
 
 
 def _estimate(w: np.ndarray, dev: np.ndarray, w_left: float) -> float:
     return w_left * float((w * dev).sum() / w.sum())
+
+
+def _aim(w, dev, w_left, score, n, aim, bound, sentinels, draws, rng):
+    """(share of the prompt kept on top of the policy's, share of draws escalating, true error)
+    where the check layer aims at ``bound / aim``."""
+    order = np.argsort(-score, kind="stable")
+    left = _left_after(score[order])
+    extra = _first_at_most(left, bound / aim)
+    rest = order[extra:]
+    w_left -= float(w[order[:extra]].sum())
+    w, dev = w[rest], dev[rest]
+    truth = float((w * dev).sum())
+    if not len(rest):
+        return extra / n, 0.0, truth
+    k = min(sentinels, len(rest))
+    est = [
+        _estimate(w[s], dev[s], w_left)
+        for s in (rng.choice(len(rest), k, replace=False) for _ in range(draws))
+    ]
+    return extra / n, float(np.mean(np.array(est) > bound)), truth
 
 
 def main() -> None:
@@ -55,6 +83,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="doc-qa,entity-swap,rag-qa")
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--draws", type=int, default=500)
+    ap.add_argument("--aims", default="8,10,12,16", help="check-layer aims to compare")
     args = ap.parse_args()
     cfg = SemShareConfig()
     bound = cfg.recompute_error_bound
@@ -71,6 +100,8 @@ def main() -> None:
     )
     print("|---|---|---|---|" + "---|" * len(SAMPLE_SIZES))
     wrong_by_size = collections.defaultdict(list)
+    aims = [float(a) for a in args.aims.split(",")]
+    by_aim = collections.defaultdict(list)
     for workload in args.workloads.split(","):
         groups = collections.defaultdict(list)
         for r in build(workload, args.groups, args.size, Sizer(tok)):
@@ -118,11 +149,41 @@ def main() -> None:
                     p10, p90 = np.percentile(est / truth - 1, [10, 90])
                     cells.append(f"{wrong:.0%} / {p10:+.2f}, {p90:+.2f}")
                 print(f"| {name}/{i} | {n} | {len(w)} | {truth:.4f} | " + " | ".join(cells) + " |")
+                for aim in aims:
+                    by_aim[aim].append(
+                        _aim(
+                            w,
+                            dev,
+                            w_left,
+                            selection.check_score,
+                            n,
+                            aim,
+                            bound,
+                            cfg.recompute_max_sentinels,
+                            args.draws,
+                            rng,
+                        )
+                    )
     print(
         "| mean decision other way | | | | "
         + " | ".join(f"{np.mean(wrong_by_size[s]):.1%}" for s in SAMPLE_SIZES)
         + " |"
     )
+    print(
+        f"\n## Aiming lower at the check layer ({len(by_aim[aims[0]])} targets; the gate's "
+        f"{cfg.recompute_max_sentinels} sentinels, {args.draws} draws; means over the targets)"
+    )
+    print(
+        "| aim (bound / aim) | more of the prompt kept | draws escalating "
+        "| true error over the bound |"
+    )
+    print("|---|---|---|---|")
+    for aim in aims:
+        extra, escalating, truth = np.array(by_aim[aim]).T
+        print(
+            f"| {aim:g} | +{extra.mean():.3f} | {escalating.mean():.1%} | "
+            f"{int((truth > bound).sum())} of {len(truth)} |"
+        )
 
 
 if __name__ == "__main__":
