@@ -13,8 +13,8 @@ Then, per check-layer aim (``--aims``: the check layer keeps positions until the
 there is under the bound over the aim; the policy's is ``Adaptive.CHECK_TO_GATE``), what a
 lower aim would cost and save: the positions it keeps on top of the policy's, in the check
 layer's order (their gate deviation taken as 0, the others' as measured), how often a gate
-of ``recompute_max_sentinels`` would escalate, and how many targets' true error stays over
-the bound.
+of ``recompute_max_sentinels`` sentinels would escalate (the cap: below about 2,100 tokens the
+gate itself draws fewer), and how many targets' true error stays over the bound.
 
     .venv/bin/python benchmarks/gate_sentinels.py --size 1024 --workloads doc-qa,entity-swap,rag-qa
 """
