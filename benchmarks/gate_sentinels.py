@@ -57,6 +57,17 @@ def _estimate(w: np.ndarray, dev: np.ndarray, w_left: float) -> float:
     return w_left * float((w * dev).sum() / w.sum())
 
 
+def _redraw(w, dev, w_left: float, size: int, draws: int, rng) -> np.ndarray:
+    """The gate's estimate from ``draws`` samples of ``size`` (at most all) of the population."""
+    k = min(size, len(w))
+    return np.array(
+        [
+            _estimate(w[s], dev[s], w_left)
+            for s in (rng.choice(len(w), k, replace=False) for _ in range(draws))
+        ]
+    )
+
+
 def _aim(w, dev, w_left, score, n, aim, bound, sentinels, draws, rng):
     """(share of the prompt kept on top of the policy's, share of draws escalating, true error)
     where the check layer aims at ``bound / aim``."""
@@ -69,12 +80,8 @@ def _aim(w, dev, w_left, score, n, aim, bound, sentinels, draws, rng):
     truth = float((w * dev).sum())
     if not len(rest):
         return extra / n, 0.0, truth
-    k = min(sentinels, len(rest))
-    est = [
-        _estimate(w[s], dev[s], w_left)
-        for s in (rng.choice(len(rest), k, replace=False) for _ in range(draws))
-    ]
-    return extra / n, float(np.mean(np.array(est) > bound)), truth
+    est = _redraw(w, dev, w_left, sentinels, draws, rng)
+    return extra / n, float(np.mean(est > bound)), truth
 
 
 def main() -> None:
@@ -135,15 +142,7 @@ def main() -> None:
                 truth = _estimate(w, dev, w_left)
                 cells = []
                 for size in SAMPLE_SIZES:
-                    k = min(size, len(w))
-                    est = np.array(
-                        [
-                            _estimate(w[s], dev[s], w_left)
-                            for s in (
-                                rng.choice(len(w), k, replace=False) for _ in range(args.draws)
-                            )
-                        ]
-                    )
+                    est = _redraw(w, dev, w_left, size, args.draws, rng)
                     wrong = float(np.mean((est > bound) != (truth > bound)))
                     wrong_by_size[size].append(wrong)
                     p10, p90 = np.percentile(est / truth - 1, [10, 90])
