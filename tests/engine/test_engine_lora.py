@@ -5,6 +5,10 @@ running batch's adapters to a repair. Cold answers come from the same engine wit
 opted out under a fresh cache_salt."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,23 +21,24 @@ OFF = {"semshare": "off"}
 HEAD = "Read the article below and answer the question after it.\n\n"
 
 
-@pytest.fixture(scope="module")
-def adapter(model, tmp_path_factory):
-    """A random rank-8 LoRA adapter (PEFT format), strong enough to change the answers."""
+def write_adapter(model_dir, path, seed: int = 0) -> str:
+    """A random rank-8 LoRA adapter (PEFT format) for the model at ``model_dir``, strong enough
+    to change the answers; another ``seed``, other weights in files of the same names."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads((models.smollm2() / "config.json").read_text())
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or hidden // cfg["num_attention_heads"])
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     weights = {}
     for i in range(layers):
         for name, out in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv)):
             prefix = f"base_model.model.model.layers.{i}.self_attn.{name}"
             weights[prefix + ".lora_A.weight"] = torch.randn(8, hidden, generator=g) * 0.05
             weights[prefix + ".lora_B.weight"] = torch.randn(out, 8, generator=g) * 0.05
-    path = tmp_path_factory.mktemp("lora")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(
         json.dumps(
@@ -44,11 +49,16 @@ def adapter(model, tmp_path_factory):
                 "bias": "none",
                 "task_type": "CAUSAL_LM",
                 "target_modules": ["q_proj", "k_proj", "v_proj"],
-                "base_model_name_or_path": model,
+                "base_model_name_or_path": str(model_dir),
             }
         )
     )
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory):
+    return write_adapter(models.smollm2(), tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +119,58 @@ def test_a_donor_serves_only_requests_with_its_own_lora_adapter(model, llm, adap
     assert cached >= 0.7 * len(b) and served == cold_lora
     plain, cached = gen(llm, b)  # no adapter: the plain donor only
     assert plain == cold_plain
+
+
+SCENARIO = Path(__file__).parent / "scenarios" / "persisted_other_weights.py"
+
+
+def lifetime(model, persist_dir, tmp_path, **job):
+    """One engine lifetime on ``persist_dir`` in its own process (the scenario's JSON line)."""
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(dict(job, max_tokens=8)))
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIO), str(model), str(persist_dir), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_persisted_lora_donor_is_not_served_once_its_adapter_is_rewritten(tmp_path):
+    """vLLM keys an adapter by name and path, in a prefix cache that dies with its process; a
+    persisted donor outlives it. Retrained at the same path (same file names), the adapter's
+    old donor is restored but never claimed, and the answer is the new adapter's cold one."""
+    from transformers import AutoTokenizer
+
+    model = models.tiny_llama()
+    tok = AutoTokenizer.from_pretrained(str(model))
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    doc = ids(wiki_document(700, 900))
+    a, b = doc + ids("\n\nQuestion: what is this about?"), doc + ids("\n\nSummarize it:")
+    path = write_adapter(model, tmp_path / "adapters" / "support", seed=0)
+    persist, lora = tmp_path / "donors", ["support", path]
+
+    first = lifetime(
+        model, persist, tmp_path, prompt=a, lora=lora, capture=True, filler=ids("x " * 40)
+    )
+    assert first["restored"] == 0 and first["worker"]["captured_donors"] >= 1
+    same = lifetime(model, persist, tmp_path, prompt=b, lora=lora, cold=True)
+    assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0  # control
+    assert same["out"]["token_ids"] == same["cold"]["token_ids"]
+
+    write_adapter(model, path, seed=1)  # retrained in place
+    other = lifetime(model, persist, tmp_path, prompt=b, lora=lora, cold=True)
+    assert other["fingerprint"] == first["fingerprint"]  # the base model did not change
+    assert other["restored"] >= 1  # the old donor is back, in its own namespace
+    assert other["scheduler"].get("hit_tokens", 0) == 0
+    assert other["out"]["num_cached_tokens"] == 0
+    assert other["out"]["token_ids"] == other["cold"]["token_ids"]
+    assert (
+        other["cold"]["token_ids"] != same["cold"]["token_ids"]
+    )  # the new adapter answers otherwise

@@ -6,7 +6,9 @@ embeddings (``vllm/v1/core/kv_cache_utils.py``); a donor's namespace carries the
 donors are matched, found, captured and shared only within one identity:
 
 * ``cache_salt`` (the tenant): a request without extras has its salt as namespace ("" when none);
-* the LoRA adapter (name and path, as vLLM keys it);
+* the LoRA adapter: name and path, as vLLM keys it, and what its files are (``adapter_files``).
+  vLLM's prefix cache lives and dies with its process; donors outlive it (``persist_dir``, the
+  shared index), so an adapter retrained at the same path must not find its old donors;
 * multimodal inputs: each one's hash and where its placeholder sits. Such requests reuse exact
   prefixes only (their positions are not plain RoPE positions for every model);
 * prompt embeddings: their token ids are placeholders, so these requests are never keyed at all
@@ -19,8 +21,14 @@ a marker plus canonical JSON, never a plain salt.
 from __future__ import annotations
 
 import json
+import uuid
+from pathlib import Path
+
+from semshare_vllm.core.files import file_stats, hub_snapshot
 
 _MARK = "\x00semshare:"
+# Stands for an adapter whose files cannot be read from here: its donors serve this process only.
+_THIS_PROCESS = uuid.uuid4().hex
 
 
 def namespace_of(request) -> str:
@@ -28,7 +36,8 @@ def namespace_of(request) -> str:
     extras: dict[str, object] = {}
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        extras["lora"] = [str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")]
+        path = str(getattr(lora, "lora_path", "") or "")
+        extras["lora"] = [str(lora.lora_name), path, adapter_files(path)]
     features = getattr(request, "mm_features", None)
     if features:
         extras["mm"] = [
@@ -38,6 +47,23 @@ def namespace_of(request) -> str:
     if not extras and not salt.startswith(_MARK):
         return salt
     return _MARK + json.dumps([salt, extras], sort_keys=True, separators=(",", ":"))
+
+
+def adapter_files(path: str) -> object:
+    """What the adapter at ``path`` is, as vLLM would load it now: the names, sizes and mtimes
+    of a local directory's files (PEFT writes them flat), a cached hub snapshot's commit, or,
+    where neither can be read (a resolver's URL), this process: its donors are then never
+    restored by another process nor shared with another instance. No weight byte is read."""
+    local = Path(path) if path else None
+    try:
+        if local is not None and local.is_dir():
+            return {"files": file_stats(sorted(p for p in local.iterdir() if p.is_file()))}
+        if local is not None and local.is_file():
+            return {"files": file_stats([local])}
+    except OSError:  # unreadable here (permissions): vLLM's worker may still load it
+        return {"process": _THIS_PROCESS}
+    commit = hub_snapshot(path, None, None, "adapter_config.json") if path else None
+    return {"hub": commit} if commit else {"process": _THIS_PROCESS}
 
 
 def keyable(request) -> bool:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from semshare_vllm.core.files import file_stats, hub_snapshot
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -169,13 +171,7 @@ def _local_weights(path: Path) -> dict:
         if path.is_file()
         else sorted(p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
     )
-    out = {"files": []}
-    for p in files:
-        try:
-            st = p.stat()  # follows links (hub snapshots link to their blobs)
-        except OSError:
-            continue
-        out["files"].append([p.name, st.st_size, st.st_mtime_ns])
+    out = {"files": file_stats(files)}
     config = (path if path.is_dir() else path.parent) / "config.json"
     try:
         out["config"] = hashlib.blake2b(config.read_bytes(), digest_size=16).hexdigest()
@@ -184,28 +180,13 @@ def _local_weights(path: Path) -> dict:
     return out
 
 
-def _hub_snapshot(repo: str, revision: str | None, cache_dir: str | None) -> str | None:
-    """The commit of the cached snapshot of ``repo`` at ``revision``, offline; None if unknown."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(
-            repo, "config.json", cache_dir=cache_dir, revision=revision or None
-        )
-    except Exception:
-        return None
-    if isinstance(found, str):
-        return Path(found).parent.name  # .../snapshots/<commit>/config.json
-    return None
-
-
 def weights_identity(model_config, load_config=None) -> dict:
     model = str(getattr(model_config, "model", ""))
     revision = getattr(model_config, "revision", None)
     if os.path.exists(model):
         return {"local": _local_weights(Path(model))}
     cache_dir = getattr(load_config, "download_dir", None)
-    commit = _hub_snapshot(model, revision, cache_dir)
+    commit = hub_snapshot(model, revision, cache_dir)
     return {"hub": model, "commit": commit, "revision": None if commit else revision}
 
 

@@ -82,6 +82,7 @@ def run(
     max_tokens: int,
     salt: str | None = None,
     kv_transfer_params: dict | None = None,
+    lora_request=None,
 ) -> dict[str, Any]:
     """One greedy request (token ids), summarised like ``summarize``; ``kv_transfer_params``
     as a client sends them (``{"semshare": "exact"}``: exact-prefix reuse only)."""
@@ -89,7 +90,8 @@ def run(
     if salt is not None:
         p["cache_salt"] = salt
     params = greedy(max_tokens, kv_transfer_params=kv_transfer_params)
-    return summarize(llm.generate([p], params, use_tqdm=False))[0]
+    out = llm.generate([p], params, lora_request=lora_request, use_tqdm=False)
+    return summarize(out)[0]
 
 
 def greedy(max_tokens: int, logprobs: int | None = 1, kv_transfer_params: dict | None = None):

@@ -1,6 +1,8 @@
-"""Run in its own process by test_engine_weights.py: one engine lifetime on ``persist_dir``.
-Serves ``prompt`` (after ``warm``, when given, whose donor is then written to disk), and prints
-one JSON line: the output, the scheduler's and worker's stats, the fingerprint in use.
+"""Run in its own process by test_engine_weights.py and test_engine_lora.py: one engine lifetime
+on ``persist_dir``. Serves ``prompt`` (with the LoRA adapter ``lora``, ``[name, path]``, when
+given; then, with ``cold``, the same prompt opted out under its own salt), writes its donor to
+disk with ``capture``, and prints one JSON line: the outputs, the scheduler's and worker's stats,
+the fingerprint in use.
 
     persisted_other_weights.py MODEL PERSIST_DIR JOB_JSON
 """
@@ -16,12 +18,32 @@ from semshare_vllm.testbed import offline  # noqa: E402
 model, persist_dir, job_path = sys.argv[1:4]
 with open(job_path) as f:
     job = json.load(f)
+lora, engine_args = None, {}
+if job.get("lora"):
+    from vllm.lora.request import LoRARequest
+
+    lora = LoRARequest(job["lora"][0], 1, job["lora"][1])
+    engine_args = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 llm = offline.semshare_llm(
-    model, {"persist_dir": persist_dir, "host_store_bytes": "256MiB"}, max_model_len=2048
+    model,
+    {"persist_dir": persist_dir, "host_store_bytes": "256MiB"},
+    max_model_len=2048,
+    **engine_args,
 )
 sched, worker = offline.connector_halves(llm)
 restored = sched.stats.totals.get("donors_restored", 0)
-out = offline.run(llm, job["prompt"], job["max_tokens"])
+out = offline.run(llm, job["prompt"], job["max_tokens"], lora_request=lora)
+scheduler = dict(sched.stats.totals)  # before the cold run below adds its lookup
+cold = None
+if job.get("cold"):
+    cold = offline.run(
+        llm,
+        job["prompt"],
+        job["max_tokens"],
+        salt="cold-" + os.urandom(8).hex(),
+        kv_transfer_params={"semshare": "off"},
+        lora_request=lora,
+    )
 if job.get("capture"):
     offline.run(llm, job["filler"], 2)  # one more step: the capture starts...
     worker.flush_captures()  # ...and is written to disk
@@ -30,9 +52,10 @@ print(
     json.dumps(
         {
             "out": out,
+            "cold": cold,
             "restored": restored,
             "fingerprint": sched.geometry.fingerprint,
-            "scheduler": dict(sched.stats.totals),
+            "scheduler": scheduler,
             "worker": dict(worker.stats.totals),
         }
     )

@@ -3,13 +3,20 @@ within it: the LoRA adapter, multimodal inputs and prompt embeddings, besides th
 cache_salt.
 Hand-built requests, no engine (the engine checks are in test_engine_trust.py)."""
 
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import torch
 from support.scheduler import BS, Blocks, geometry, request
 
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed, tenant_of
+from semshare_vllm.core.keys import donor_id_for
 from semshare_vllm.scheduler import SemShareScheduler
+from semshare_vllm.store import donor_file
 
 
 def lora(name, path="/adapters/x"):
@@ -71,6 +78,80 @@ def test_a_lora_donor_serves_only_its_own_adapter():
     ) == (0, False)
     same = with_identity(request("t3", target), lora_request=lora("x"))
     assert s.get_num_new_matched_tokens(same, 0) == (128, False)
+
+
+def _adapter(path, version: int):
+    """An adapter directory as PEFT writes one; each version has other bytes."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "version": version}))
+    (path / "adapter_model.safetensors").write_bytes(bytes([version]) * (1000 + version))
+    return str(path)
+
+
+def test_a_lora_namespace_changes_with_its_adapter_files_at_the_same_path(tmp_path):
+    """vLLM keys its in-memory prefix cache on the adapter's name and path; donors outlive the
+    process (persist_dir, shared index), so theirs also says which files were there."""
+    path = _adapter(tmp_path / "support", 1)
+    first = namespace_of(with_identity(request("a", [1]), lora_request=lora("support", path)))
+    again = namespace_of(with_identity(request("b", [1]), lora_request=lora("support", path)))
+    assert first == again  # the same files: the same identity, call after call
+    _adapter(tmp_path / "support", 2)  # retrained in place
+    retrained = namespace_of(with_identity(request("c", [1]), lora_request=lora("support", path)))
+    assert retrained != first
+    assert tenant_of(retrained) == ""
+
+
+def test_a_lora_adapter_whose_files_cannot_be_read_keys_donors_to_this_process_only():
+    """A path that is neither a local directory nor a cached hub snapshot (a resolver's URL):
+    its donors serve this process only, never another instance or a restart."""
+    code = (
+        "from types import SimpleNamespace as S; from semshare_vllm.core.identity import "
+        "namespace_of; print(namespace_of(S(cache_salt=None, mm_features=None, "
+        "lora_request=S(lora_name='x', lora_path='s3://adapters/x', lora_int_id=1))))"
+    )
+    here = namespace_of(with_identity(request("a", [1]), lora_request=lora("x", "s3://adapters/x")))
+    assert here == namespace_of(
+        with_identity(request("b", [1]), lora_request=lora("x", "s3://adapters/x"))
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
+    assert other and other != here
+
+
+def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path):
+    """A donor of adapter v1 written to persist_dir, the adapter retrained at the same path, the
+    engine restarted: the donor's KV came from other weights and is not claimed; with the
+    adapter unchanged it is."""
+    path = _adapter(tmp_path / "adapters" / "support", 1)
+
+    def req(rid, tokens):
+        return with_identity(request(rid, tokens), lora_request=lora("support", path))
+
+    g = geometry()
+    tokens = list(range(200))
+    namespace = namespace_of(req("d", tokens))
+    donor_id = donor_id_for(namespace, tokens)
+    root = tmp_path / "persist" / g.fingerprint
+    donor_file.write(
+        donor_file.donor_path(root, donor_id, 0, 1),
+        namespace,
+        donor_id,
+        tokens,
+        list(g.layer_names),
+        "L",
+        torch.zeros(len(g.layer_names), 2, len(tokens), 2, 8),
+    )
+    target = tokens[:150] + [9, 9, 9]
+    config = SemShareConfig(persist_dir=str(tmp_path / "persist"), embedder="none")
+    unchanged = SemShareScheduler(config, g)
+    assert unchanged.get_num_new_matched_tokens(req("t1", target), 0) == (128, False)
+
+    _adapter(tmp_path / "adapters" / "support", 2)
+    restarted = SemShareScheduler(config, g)
+    assert restarted.stats.totals["donors_restored"] == 1
+    assert restarted.get_num_new_matched_tokens(req("t2", target), 0) == (0, False)
 
 
 def test_multimodal_donors_need_the_same_inputs_in_the_same_places():
