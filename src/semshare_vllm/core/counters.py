@@ -53,6 +53,8 @@ COUNTERS: dict[str, str] = {
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
+    "loads_behind_unwritten_prefix": "repaired loads not run: vLLM's own prefix hit under them "
+    "held blocks the same step computes (reported failed; vLLM computes the tokens)",
     "tp_peer_failures": "loads failed on this tensor-parallel rank because they failed on "
     "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",

@@ -37,7 +37,12 @@ from semshare_vllm.metadata import (
 )
 from semshare_vllm.scheduler.capture import donor_for
 from semshare_vllm.scheduler.donor_catalog import DonorCatalog
-from semshare_vllm.scheduler.loads import LoadWatch, failed_load, load_spec
+from semshare_vllm.scheduler.loads import (
+    LoadWatch,
+    failed_load,
+    hold_back_unwritten_prefix,
+    load_spec,
+)
 from semshare_vllm.scheduler.persistence import Snapshots, restore
 from semshare_vllm.scheduler.planner import Aligner, SemanticPlan
 from semshare_vllm.scheduler.provenance import Provenance
@@ -281,11 +286,12 @@ class SemShareScheduler:
 
     # ---- once per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> SemShareConnectorMetadata:
+        loads, held = self._loads_to_run(scheduler_output)
         meta = SemShareConnectorMetadata(
             evictions=self.catalog.take_evictions(),
             captures=self._captures,
-            loads=self._loads,
-            failed_loads=self._failed_loads,
+            loads=loads,
+            failed_loads=self._failed_loads + held,
             restart_logprob_rows=self.load_watch.take_logprob_restarts(),
         )
         self._captures, self._loads, self._failed_loads = [], [], []
@@ -299,6 +305,34 @@ class SemShareScheduler:
         self._offered = []
         self._housekeeping()
         return meta
+
+    def _loads_to_run(self, scheduler_output) -> tuple[list[LoadSpec], list[FailedLoad]]:
+        """This step's loads, less those whose repair would read a prefix the step's forward
+        has yet to write, reported failed instead (``hold_back_unwritten_prefix``); where that
+        cannot be told (a fault), every repaired load: never a repair over KV not known to
+        exist."""
+        split = self._split_loads(scheduler_output)
+        if split is None:
+            split = (
+                [s for s in self._loads if s.policy == "none"],
+                [
+                    FailedLoad(s.req_id, s.dst_start, s.num_tokens, s.block_ids)
+                    for s in self._loads
+                    if s.policy != "none"
+                ],
+            )
+        if split[1]:
+            self.stats.add("loads_behind_unwritten_prefix", len(split[1]))
+        return split
+
+    @guarded("the step's prefix check")
+    def _split_loads(self, scheduler_output):
+        return hold_back_unwritten_prefix(
+            self._loads,
+            scheduler_output,
+            self.load_watch.kv_cache_manager,
+            self.geometry.block_size,
+        )
 
     @guarded("housekeeping")
     def _housekeeping(self) -> None:

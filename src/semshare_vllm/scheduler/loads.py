@@ -11,6 +11,7 @@ from semshare_vllm.metadata import FailedLoad, LoadSpec
 from semshare_vllm.scheduler.planner import SemanticPlan
 from semshare_vllm.scheduler.request_state import RequestState
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
+from semshare_vllm.vllm_compat.step_blocks import blocks_filled_in_step
 
 # Outputs after a request finished during which a failure of its load may still come back
 # (async scheduling has up to two steps in flight).
@@ -70,6 +71,29 @@ def failed_load(request, offer, block_ids: list[int], num_external_tokens: int) 
     else:
         start, num_external_tokens = 0, request.num_tokens
     return FailedLoad(request.request_id, start, num_external_tokens, block_ids)
+
+
+def hold_back_unwritten_prefix(
+    loads: list[LoadSpec], scheduler_output, kv_cache_manager, block_size: int
+) -> tuple[list[LoadSpec], list[FailedLoad]]:
+    """Split this step's loads into those to run and those to report failed: a repair attends
+    over the request's prefix before the step's forward pass, so a load whose prefix (vLLM's own
+    hit) holds a block that pass writes (another request computes it in this step) is not run;
+    vLLM computes its tokens in a later step, when the prefix exists. Loads without a repair
+    only copy rows and read nothing of the prefix."""
+    repaired = [s for s in loads if s.policy != "none" and s.dst_start >= block_size]
+    if not repaired:
+        return loads, []
+    filled = blocks_filled_in_step(scheduler_output, kv_cache_manager, block_size)
+    held = [
+        s
+        for s in repaired
+        if filled is None or not filled.isdisjoint(s.block_ids[: s.dst_start // block_size])
+    ]
+    if not held:
+        return loads, []
+    kept = [s for s in loads if all(s is not h for h in held)]
+    return kept, [FailedLoad(s.req_id, s.dst_start, s.num_tokens, s.block_ids) for s in held]
 
 
 class LoadWatch:

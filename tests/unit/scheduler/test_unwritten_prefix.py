@@ -1,0 +1,78 @@
+"""``hold_back_unwritten_prefix`` on hand-built step outputs (vLLM's real scheduler drives it in
+tests/unit/vllm_scheduler/test_vllm_scheduler_same_step.py): which loads run, which are
+reported failed, and what happens where the step's blocks cannot be read."""
+
+from types import SimpleNamespace
+
+from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.scheduler.loads import hold_back_unwritten_prefix
+
+BS = 16
+
+
+def spec(req_id, dst_start, policy, block_ids):
+    return LoadSpec(
+        req_id=req_id,
+        key=None,
+        src_start=0,
+        dst_start=dst_start,
+        num_tokens=2 * BS,
+        block_ids=block_ids,
+        policy=policy,
+    )
+
+
+def step(new=(), cached=(), scheduled=None):
+    """``new``: (req_id, block_ids, computed); ``cached``: (req_id, computed)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+class Manager:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def get_block_ids(self, req_id):
+        return (self.blocks[req_id],)
+
+
+def test_only_repairs_over_blocks_the_step_fills_are_held_back():
+    # A computes its blocks 10, 11 (full) and 12 (partial) in this step; C's 20 is older
+    out = step(new=[("a", [10, 11, 12], 0)], scheduled={"a": 2 * BS + 3})
+    over_a = spec("b", 2 * BS, "adaptive", [10, 11, 30, 31])
+    over_old = spec("c", BS, "adaptive", [20, 32, 33])
+    copy_only = spec("d", 2 * BS, "none", [10, 11, 34, 35])  # reads no prefix
+    partial = spec("e", BS, "all", [12, 36, 37])  # a partial block is never a prefix hit
+    loads, held = hold_back_unwritten_prefix(
+        [over_a, over_old, copy_only, partial], out, Manager({}), BS
+    )
+    assert loads == [over_old, copy_only, partial]
+    assert [(f.req_id, f.start, f.num_tokens, f.block_ids) for f in held] == [
+        ("b", 2 * BS, 2 * BS, [10, 11, 30, 31])
+    ]
+
+
+def test_a_running_prefill_fills_blocks_it_was_given_earlier():
+    out = step(cached=[("a", 2 * BS - 4)], scheduled={"a": BS + 4})  # fills blocks 1 and 2
+    manager = Manager({"a": [10, 11, 12, 13]})
+    held = hold_back_unwritten_prefix(
+        [spec("b", 2 * BS, "adaptive", [10, 11, 40])], out, manager, BS
+    )
+    assert [f.req_id for f in held[1]] == ["b"]
+    held = hold_back_unwritten_prefix([spec("b", BS, "adaptive", [10, 41])], out, manager, BS)
+    assert held[1] == []  # block 10 was full before this step
+
+
+def test_without_vllms_cache_manager_every_repair_behind_a_prefix_is_held_back():
+    out = step(cached=[("a", 0)], scheduled={"a": BS})
+    repaired = spec("b", BS, "adaptive", [50, 51])
+    at_start = spec("c", 0, "adaptive", [52, 53])  # no prefix to read
+    loads, held = hold_back_unwritten_prefix([repaired, at_start], out, None, BS)
+    assert loads == [at_start] and [f.req_id for f in held] == ["b"]
