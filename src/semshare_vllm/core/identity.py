@@ -6,9 +6,10 @@ embeddings (``vllm/v1/core/kv_cache_utils.py``); a donor's namespace carries the
 donors are matched, found, captured and shared only within one identity:
 
 * ``cache_salt`` (the tenant): a request without extras has its salt as namespace ("" when none);
-* the LoRA adapter: name and path, as vLLM keys it, and what its files are (``adapter_files``).
-  vLLM's prefix cache lives and dies with its process; donors outlive it (``persist_dir``, the
-  shared index), so an adapter retrained at the same path must not find its old donors;
+* the LoRA adapter: name and path, as vLLM keys it, and what its files were when this process
+  first saw it (``adapter_files``). vLLM's prefix cache lives and dies with its process; donors
+  outlive it (``persist_dir``, the shared index), so an adapter retrained at the same path must
+  not find its old donors;
 * multimodal inputs: each one's hash and where its placeholder sits. Such requests reuse exact
   prefixes only (their positions are not plain RoPE positions for every model);
 * prompt embeddings: their token ids are placeholders, so these requests are never keyed at all
@@ -29,6 +30,9 @@ from semshare_vllm.core.files import file_stats, hub_snapshot
 _MARK = "\x00semshare:"
 # Stands for an adapter whose files cannot be read from here: its donors serve this process only.
 _THIS_PROCESS = uuid.uuid4().hex
+# (lora_int_id, name, path) -> what its files were when this process first saw it; as many
+# entries as adapters the engine was asked for (vLLM keeps its own table of them too).
+_ADAPTERS: dict[tuple, object] = {}
 
 
 def namespace_of(request) -> str:
@@ -37,7 +41,7 @@ def namespace_of(request) -> str:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         path = str(getattr(lora, "lora_path", "") or "")
-        extras["lora"] = [str(lora.lora_name), path, adapter_files(path)]
+        extras["lora"] = [str(lora.lora_name), path, adapter_files(lora, path)]
     features = getattr(request, "mm_features", None)
     if features:
         extras["mm"] = [
@@ -49,11 +53,26 @@ def namespace_of(request) -> str:
     return _MARK + json.dumps([salt, extras], sort_keys=True, separators=(",", ":"))
 
 
-def adapter_files(path: str) -> object:
-    """What the adapter at ``path`` is, as vLLM would load it now: the names, sizes and mtimes
-    of a local directory's files (PEFT writes them flat), a cached hub snapshot's commit, or,
-    where neither can be read (a resolver's URL), this process: its donors are then never
-    restored by another process nor shared with another instance. No weight byte is read."""
+def adapter_files(lora, path: str) -> object:
+    """What the adapter vLLM runs for ``lora`` is: its files as this process first saw them.
+    vLLM loads an adapter once per ``lora_int_id`` and keeps it whatever its files become, so
+    files rewritten later must not rename what this process computes with the old ones; a new
+    id is loaded anew, and seen anew here. ``load_inplace`` reloads the files at an unknown
+    moment: this process only."""
+    if getattr(lora, "load_inplace", False):
+        return {"process": _THIS_PROCESS}
+    key = (getattr(lora, "lora_int_id", None), str(lora.lora_name), path)
+    seen = _ADAPTERS.get(key)
+    if seen is None:  # (two threads may both read the files: the first one's answer stays)
+        seen = _ADAPTERS.setdefault(key, _files_now(path))
+    return seen
+
+
+def _files_now(path: str) -> object:
+    """The names, sizes and mtimes of a local adapter directory's files (PEFT writes them flat),
+    a cached hub snapshot's commit, or, where neither can be read (a resolver's URL), this
+    process: its donors are then never restored by another process nor shared with another
+    instance. No weight byte is read."""
     local = Path(path) if path else None
     try:
         if local is not None and local.is_dir():

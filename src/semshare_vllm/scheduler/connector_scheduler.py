@@ -307,10 +307,12 @@ class SemShareScheduler:
         return meta
 
     def _loads_to_run(self, scheduler_output) -> tuple[list[LoadSpec], list[FailedLoad]]:
-        """This step's loads, less those whose repair would read a prefix the step's forward
-        has yet to write, reported failed instead (``hold_back_unwritten_prefix``); where that
-        cannot be told (a fault), every repaired load: never a repair over KV not known to
-        exist."""
+        """This step's loads, less those whose repair would read a prefix the step has yet to
+        write, reported failed instead (``hold_back_unwritten_prefix``); where that cannot be
+        told (a fault), every repaired load: never a repair over KV not known to exist. The
+        blocks of every load this step reports failed leave vLLM's prefix cache now: with async
+        scheduling the next step is scheduled before the failure comes back, and its requests
+        would take them as written."""
         split = self._split_loads(scheduler_output)
         if split is None:
             split = (
@@ -321,14 +323,21 @@ class SemShareScheduler:
                     if s.policy != "none"
                 ],
             )
-        if split[1]:
-            self.stats.add("loads_behind_unwritten_prefix", len(split[1]))
-        return split
+        loads, held = split
+        if held:
+            self.stats.add("loads_behind_unwritten_prefix", len(held))
+        for failed in self._failed_loads + held:
+            vllm_block_hashes.evict_cached(
+                self.load_watch.kv_cache_manager,
+                failed.block_ids[failed.start // self.geometry.block_size :],
+            )
+        return loads, held
 
     @guarded("the step's prefix check")
     def _split_loads(self, scheduler_output):
         return hold_back_unwritten_prefix(
             self._loads,
+            self._failed_loads,
             scheduler_output,
             self.load_watch.kv_cache_manager,
             self.geometry.block_size,

@@ -74,17 +74,27 @@ def failed_load(request, offer, block_ids: list[int], num_external_tokens: int) 
 
 
 def hold_back_unwritten_prefix(
-    loads: list[LoadSpec], scheduler_output, kv_cache_manager, block_size: int
+    loads: list[LoadSpec],
+    failed: list[FailedLoad],
+    scheduler_output,
+    kv_cache_manager,
+    block_size: int,
 ) -> tuple[list[LoadSpec], list[FailedLoad]]:
     """Split this step's loads into those to run and those to report failed: a repair attends
     over the request's prefix before the step's forward pass, so a load whose prefix (vLLM's own
-    hit) holds a block that pass writes (another request computes it in this step) is not run;
-    vLLM computes its tokens in a later step, when the prefix exists. Loads without a repair
-    only copy rows and read nothing of the prefix."""
+    hit) holds a block that pass writes (another request computes it in this step), or that
+    another load of this step writes or fails to (``failed``), is not run; vLLM computes its
+    tokens in a later step, when the prefix exists. Loads without a repair only copy rows and
+    read nothing of the prefix."""
     repaired = [s for s in loads if s.policy != "none" and s.dst_start >= block_size]
     if not repaired:
         return loads, []
     filled = blocks_filled_in_step(scheduler_output, kv_cache_manager, block_size)
+    if filled is not None:
+        for start, n, blocks in [(s.dst_start, s.num_tokens, s.block_ids) for s in loads] + [
+            (f.start, f.num_tokens, f.block_ids) for f in failed
+        ]:
+            filled.update(blocks[start // block_size : -(-(start + n) // block_size)])
     held = [
         s
         for s in repaired

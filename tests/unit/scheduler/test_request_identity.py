@@ -19,8 +19,10 @@ from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.store import donor_file
 
 
-def lora(name, path="/adapters/x"):
-    return SimpleNamespace(lora_name=name, lora_path=path, lora_int_id=1)
+def lora(name, path="/adapters/x", int_id=1, load_inplace=False):
+    return SimpleNamespace(
+        lora_name=name, lora_path=path, lora_int_id=int_id, load_inplace=load_inplace
+    )
 
 
 def image(identifier, offset, length=16):
@@ -88,17 +90,26 @@ def _adapter(path, version: int):
     return str(path)
 
 
-def test_a_lora_namespace_changes_with_its_adapter_files_at_the_same_path(tmp_path):
+def test_a_lora_namespace_holds_the_adapter_files_vllm_loaded(tmp_path):
     """vLLM keys its in-memory prefix cache on the adapter's name and path; donors outlive the
-    process (persist_dir, shared index), so theirs also says which files were there."""
+    process (persist_dir, the shared index), so theirs also says which files vLLM loaded: as
+    this process first saw them for that adapter id (vLLM keeps an id's adapter loaded whatever
+    its files become, and loads a new id anew)."""
+
+    def namespace(adapter):
+        return namespace_of(with_identity(request("r", [1]), lora_request=adapter))
+
     path = _adapter(tmp_path / "support", 1)
-    first = namespace_of(with_identity(request("a", [1]), lora_request=lora("support", path)))
-    again = namespace_of(with_identity(request("b", [1]), lora_request=lora("support", path)))
-    assert first == again  # the same files: the same identity, call after call
+    first = namespace(lora("support", path, int_id=11))
+    assert namespace(lora("support", path, int_id=11)) == first  # call after call
+    assert namespace(lora("support", path, int_id=12)) == first  # another id, the same files
     _adapter(tmp_path / "support", 2)  # retrained in place
-    retrained = namespace_of(with_identity(request("c", [1]), lora_request=lora("support", path)))
-    assert retrained != first
-    assert tenant_of(retrained) == ""
+    assert namespace(lora("support", path, int_id=11)) == first  # vLLM still runs version 1
+    retrained = namespace(lora("support", path, int_id=13))  # loaded anew: version 2
+    assert retrained != first and tenant_of(retrained) == ""
+    # reloaded in place at a moment this process does not see: its donors stay here
+    inplace = namespace(lora("support", path, int_id=11, load_inplace=True))
+    assert inplace not in (first, retrained)
 
 
 def test_a_lora_adapter_whose_files_cannot_be_read_keys_donors_to_this_process_only():
@@ -126,8 +137,8 @@ def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path
     adapter unchanged it is."""
     path = _adapter(tmp_path / "adapters" / "support", 1)
 
-    def req(rid, tokens):
-        return with_identity(request(rid, tokens), lora_request=lora("support", path))
+    def req(rid, tokens, int_id=21):
+        return with_identity(request(rid, tokens), lora_request=lora("support", path, int_id))
 
     g = geometry()
     tokens = list(range(200))
@@ -145,13 +156,13 @@ def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path
     )
     target = tokens[:150] + [9, 9, 9]
     config = SemShareConfig(persist_dir=str(tmp_path / "persist"), embedder="none")
-    unchanged = SemShareScheduler(config, g)
-    assert unchanged.get_num_new_matched_tokens(req("t1", target), 0) == (128, False)
+    unchanged = SemShareScheduler(config, g)  # (another id: as a restarted engine sees it)
+    assert unchanged.get_num_new_matched_tokens(req("t1", target, 22), 0) == (128, False)
 
     _adapter(tmp_path / "adapters" / "support", 2)
     restarted = SemShareScheduler(config, g)
     assert restarted.stats.totals["donors_restored"] == 1
-    assert restarted.get_num_new_matched_tokens(req("t2", target), 0) == (0, False)
+    assert restarted.get_num_new_matched_tokens(req("t2", target, 23), 0) == (0, False)
 
 
 def test_multimodal_donors_need_the_same_inputs_in_the_same_places():

@@ -4,7 +4,7 @@ reported failed, and what happens where the step's blocks cannot be read."""
 
 from types import SimpleNamespace
 
-from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.metadata import FailedLoad, LoadSpec
 from semshare_vllm.scheduler.loads import hold_back_unwritten_prefix
 
 BS = 16
@@ -51,7 +51,7 @@ def test_only_repairs_over_blocks_the_step_fills_are_held_back():
     copy_only = spec("d", 2 * BS, "none", [10, 11, 34, 35])  # reads no prefix
     partial = spec("e", BS, "all", [12, 36, 37])  # a partial block is never a prefix hit
     loads, held = hold_back_unwritten_prefix(
-        [over_a, over_old, copy_only, partial], out, Manager({}), BS
+        [over_a, over_old, copy_only, partial], [], out, Manager({}), BS
     )
     assert loads == [over_old, copy_only, partial]
     assert [(f.req_id, f.start, f.num_tokens, f.block_ids) for f in held] == [
@@ -63,10 +63,10 @@ def test_a_running_prefill_fills_blocks_it_was_given_earlier():
     out = step(cached=[("a", 2 * BS - 4)], scheduled={"a": BS + 4})  # fills blocks 1 and 2
     manager = Manager({"a": [10, 11, 12, 13]})
     held = hold_back_unwritten_prefix(
-        [spec("b", 2 * BS, "adaptive", [10, 11, 40])], out, manager, BS
+        [spec("b", 2 * BS, "adaptive", [10, 11, 40])], [], out, manager, BS
     )
     assert [f.req_id for f in held[1]] == ["b"]
-    held = hold_back_unwritten_prefix([spec("b", BS, "adaptive", [10, 41])], out, manager, BS)
+    held = hold_back_unwritten_prefix([spec("b", BS, "adaptive", [10, 41])], [], out, manager, BS)
     assert held[1] == []  # block 10 was full before this step
 
 
@@ -74,5 +74,18 @@ def test_without_vllms_cache_manager_every_repair_behind_a_prefix_is_held_back()
     out = step(cached=[("a", 0)], scheduled={"a": BS})
     repaired = spec("b", BS, "adaptive", [50, 51])
     at_start = spec("c", 0, "adaptive", [52, 53])  # no prefix to read
-    loads, held = hold_back_unwritten_prefix([repaired, at_start], out, None, BS)
+    loads, held = hold_back_unwritten_prefix([repaired, at_start], [], out, None, BS)
     assert loads == [at_start] and [f.req_id for f in held] == ["b"]
+
+
+def test_a_repair_behind_blocks_another_load_of_the_step_writes_or_fails_to_is_held_back():
+    """A's load writes its blocks in the worker before B's repair runs, unless it fails there
+    (donor gone, a tensor-parallel peer): B must not read them in the same step either way."""
+    out = step(new=[("a", [10, 11, 12, 13], 4 * BS), ("b", [10, 11, 20, 21], 4 * BS)])
+    a_load = spec("a", 0, "none", [10, 11, 12, 13])  # copies tokens 0-31 into blocks 10, 11
+    b_load = spec("b", 2 * BS, "all", [10, 11, 20, 21])
+    loads, held = hold_back_unwritten_prefix([a_load, b_load], [], out, Manager({}), BS)
+    assert loads == [a_load] and [f.req_id for f in held] == ["b"]
+    unplanned = FailedLoad("a", 0, 2 * BS, [10, 11, 12, 13])  # A's claim, reported failed
+    loads, held = hold_back_unwritten_prefix([b_load], [unplanned], out, Manager({}), BS)
+    assert loads == [] and [f.req_id for f in held] == ["b"]

@@ -99,3 +99,58 @@ def test_a_repair_behind_the_chunk_a_running_prefill_computes_in_the_same_step_i
     core.run_to_end(a)
     core.run_to_end(b)
     core.connector.shutdown()
+
+
+def test_a_repair_behind_the_blocks_another_load_of_the_step_writes_is_not_run():
+    """A's exact load writes the blocks B's prefix-cache hit takes, in the worker, before B's
+    repair would run; should it fail there, B would have attended over nothing. B waits."""
+    core, donor = core_with_donor()
+    a = core.add(core.request(donor[: 10 * BS] + ids(40, 2)))
+    b = core.add(core.request(donor[: 18 * BS] + ids(30, 3)))
+    out = core.schedule()
+    assert core.block_ids(b.request_id)[:10] == core.block_ids(a.request_id)[:10]
+    meta = out.kv_connector_metadata
+    assert [(s.req_id, s.dst_start) for s in meta.loads] == [(a.request_id, 0)]
+    (failed,) = meta.failed_loads
+    assert (failed.req_id, failed.start) == (b.request_id, 10 * BS)
+    core.answer(out, worker_reports(core, failed))
+    assert b.num_computed_tokens == 10 * BS
+    core.run_to_end(a)
+    core.run_to_end(b)
+    core.connector.shutdown()
+
+
+def test_blocks_of_a_load_held_back_leave_vllms_prefix_cache_before_the_next_step():
+    """With async scheduling the next step is scheduled before the held load's failure comes
+    back: a request then must not take the held load's blocks (never written) as vLLM's hit."""
+    core = EngineCore(
+        engine_config(
+            prefix_caching=True,
+            block_size=BS,
+            extra={"recompute_policy": "all"},
+            async_scheduling=True,
+        )
+    )
+    donor = core.add(core.request(ids(20 * BS + 5, 1)))
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    prompt = list(donor.prompt_token_ids)
+    core.add(core.request(prompt[: 6 * BS] + ids(40, 2), params={"semshare": "off"}))
+    b = core.add(core.request(prompt[: 18 * BS] + ids(30, 3)))
+    held_step = core.schedule()
+    (failed,) = held_step.kv_connector_metadata.failed_loads
+    assert failed.req_id == b.request_id
+    assert core.cached_hits(prompt[: 18 * BS] + ids(30, 4)) == 6 * BS  # A's blocks only
+    c = core.add(core.request(prompt[: 18 * BS] + ids(30, 4)))
+    next_step = core.schedule()  # before the held step's output
+    assert core.block_ids(c.request_id)[6:18] != core.block_ids(b.request_id)[6:18]
+    core.answer(held_step, worker_reports(core, failed))
+    assert b.num_computed_tokens == 6 * BS  # vLLM computes the held claim itself
+    core.answer(next_step)
+    for _ in range(30):
+        if b.is_finished() and c.is_finished():
+            break
+        core.pipeline()
+    core.drain()
+    assert b.is_finished() and c.is_finished()
+    core.connector.shutdown()
