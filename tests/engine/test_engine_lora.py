@@ -5,12 +5,10 @@ running batch's adapters to a repair. Cold answers come from the same engine wit
 opted out under a fresh cache_salt."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.lifetimes import lifetime as run_lifetime
 
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
@@ -121,22 +119,8 @@ def test_a_donor_serves_only_requests_with_its_own_lora_adapter(model, llm, adap
     assert plain == cold_plain
 
 
-SCENARIO = Path(__file__).parent / "scenarios" / "persisted_other_weights.py"
-
-
 def lifetime(model, persist_dir, tmp_path, **job):
-    """One engine lifetime on ``persist_dir`` in its own process (the scenario's JSON line)."""
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(dict(job, max_tokens=8)))
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIO), str(model), str(persist_dir), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_lifetime(model, persist_dir, tmp_path, 8, **job)
 
 
 def test_a_persisted_lora_donor_is_not_served_once_its_adapter_is_rewritten(tmp_path):

@@ -2,36 +2,22 @@
 same path (same file names, same sizes) restores none of the old donors, and the answer is the
 new weights' cold answer. Each engine lifetime runs in its own process (``scenarios/``)."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.lifetimes import lifetime as run_lifetime
 
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed.text import wiki_document
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = Path(__file__).parent / "scenarios" / "persisted_other_weights.py"
 MAX_TOKENS = 8
 
 
 def lifetime(model, persist_dir, tmp_path, **job):
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(dict(job, max_tokens=MAX_TOKENS)))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(persist_dir), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_lifetime(model, persist_dir, tmp_path, MAX_TOKENS, **job)
 
 
 def rewrite_weights(model_dir: Path) -> None:

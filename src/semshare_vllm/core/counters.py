@@ -54,7 +54,7 @@ COUNTERS: dict[str, str] = {
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
     "loads_behind_unwritten_prefix": "repaired loads not run: vLLM's own prefix hit under them "
-    "held blocks the same step computes (reported failed; vLLM computes the tokens)",
+    "held blocks the same step computes or loads (reported failed; vLLM computes the tokens)",
     "tp_peer_failures": "loads failed on this tensor-parallel rank because they failed on "
     "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",

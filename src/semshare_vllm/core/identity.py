@@ -6,10 +6,10 @@ embeddings (``vllm/v1/core/kv_cache_utils.py``); a donor's namespace carries the
 donors are matched, found, captured and shared only within one identity:
 
 * ``cache_salt`` (the tenant): a request without extras has its salt as namespace ("" when none);
-* the LoRA adapter: name and path, as vLLM keys it, and what its files were when this process
-  first saw it (``adapter_files``). vLLM's prefix cache lives and dies with its process; donors
-  outlive it (``persist_dir``, the shared index), so an adapter retrained at the same path must
-  not find its old donors;
+* the LoRA adapter: name and path, as vLLM keys it, and what its files are while they stay as
+  this process first saw them (``adapter_files``). vLLM's prefix cache lives and dies with its
+  process; donors outlive it (``persist_dir``, the shared index), so an adapter retrained at the
+  same path must not find its old donors;
 * multimodal inputs: each one's hash and where its placeholder sits. Such requests reuse exact
   prefixes only (their positions are not plain RoPE positions for every model);
 * prompt embeddings: their token ids are placeholders, so these requests are never keyed at all
@@ -54,18 +54,17 @@ def namespace_of(request) -> str:
 
 
 def adapter_files(lora, path: str) -> object:
-    """What the adapter vLLM runs for ``lora`` is: its files as this process first saw them.
-    vLLM loads an adapter once per ``lora_int_id`` and keeps it whatever its files become, so
-    files rewritten later must not rename what this process computes with the old ones; a new
-    id is loaded anew, and seen anew here. ``load_inplace`` reloads the files at an unknown
-    moment: this process only."""
+    """What the adapter vLLM runs for ``lora`` is: its files as this process first saw them for
+    that id, while they stay so. vLLM reads an adapter's files again when it loads it anew (a
+    new id, an id back after its LRU cache dropped it, ``load_inplace``), so once they changed
+    nobody here knows which version computed a request's KV: this process only (as vLLM's own
+    prefix cache, keyed on name and path), never a restart nor another instance."""
     if getattr(lora, "load_inplace", False):
         return {"process": _THIS_PROCESS}
     key = (getattr(lora, "lora_int_id", None), str(lora.lora_name), path)
-    seen = _ADAPTERS.get(key)
-    if seen is None:  # (two threads may both read the files: the first one's answer stays)
-        seen = _ADAPTERS.setdefault(key, _files_now(path))
-    return seen
+    now = _files_now(path)
+    first = _ADAPTERS.setdefault(key, now)  # (atomic: two threads keep the same first)
+    return first if now == first else {"process": _THIS_PROCESS}
 
 
 def _files_now(path: str) -> object:

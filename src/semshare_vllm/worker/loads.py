@@ -82,7 +82,15 @@ class Loads:
 
     def load(self, spec: LoadSpec) -> None:
         """Copy, then repair, the donor KV ``spec`` claims; its blocks reported failed where
-        either failed, here or on another tensor-parallel rank."""
+        either failed, here or on another tensor-parallel rank, or where the repair would
+        attend over a prefix block a load failed to write (every rank reported the same
+        blocks, so every rank decides alike, before any collective)."""
+        prefix = spec.block_ids[: spec.dst_start // self.report.block_size]
+        if spec.policy != "none" and self.report.unwritten(prefix):
+            self.stats.add("loads_behind_unwritten_prefix")
+            self.stats.add("load_failures")
+            self.invalidate(spec)
+            return
         if self._overlaps(spec):
             return self._load_overlapped(spec)
         load_ms = self._load_here(spec)

@@ -7,11 +7,16 @@ what was gathered and starts afresh, so nothing is reported twice.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.metadata import LoadSpec, RepairReport, SemShareWorkerMetadata
+
+# Steps whose failed blocks a repair still checks its prefix against: async scheduling has two
+# in flight, so a step is scheduled at most one step before vLLM has the last one's failures.
+RECENT_STEPS = 2
 
 
 @dataclass
@@ -21,6 +26,11 @@ class WorkerReport:
     finished_sending: set[str] = field(default_factory=set)
     # blocks whose load failed: vLLM recomputes their tokens
     invalid_blocks: set[int] = field(default_factory=set)
+    # those of the last steps, taken by vLLM: with async scheduling the next step is scheduled
+    # before vLLM has them, and may take them as a request's own prefix hit
+    recent_invalid: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_STEPS)
+    )
     # requests whose load failed, until vLLM says they finished: never captured (their blocks
     # may hold KV nobody wrote, if they end before vLLM recomputes it)
     failed_loads: set[str] = field(default_factory=set)
@@ -54,7 +64,16 @@ class WorkerReport:
 
     def take_invalid_blocks(self) -> set[int]:
         bad, self.invalid_blocks = self.invalid_blocks, set()
+        self.recent_invalid.append(bad)
         return bad
+
+    def unwritten(self, block_ids: Iterable[int]) -> bool:
+        """Whether a load failed to write any of ``block_ids`` in this step or the last
+        ``RECENT_STEPS`` (vLLM may not have had the failure when it scheduled this step)."""
+        return any(
+            b in self.invalid_blocks or any(b in taken for taken in self.recent_invalid)
+            for b in block_ids
+        )
 
     def take_worker_meta(self) -> SemShareWorkerMetadata | None:
         if (

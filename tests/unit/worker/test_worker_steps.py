@@ -288,3 +288,30 @@ def test_a_move_that_fails_stops_the_repair_before_the_layers_that_read_it(monke
     meta = w.build_worker_meta()
     assert meta is not None and not meta.repairs and meta.bad_donors == [key]
     w.shutdown()
+
+
+def test_a_repair_over_blocks_a_load_failed_to_write_is_not_run(monkeypatch):
+    """With async scheduling the next step is scheduled before a failed load comes back to
+    vLLM: a request may take the failed blocks as vLLM's own prefix hit. A repair attending
+    over them (here: B's, behind A's failed block 5) is not run but reported failed too, in the
+    step after the failure as in the same one; once vLLM has had the failure, repairs run."""
+    w, first = repairing_worker(monkeypatch)
+    key = first.key
+
+    def b_behind_block_5(req_id):
+        spec = LoadSpec(req_id, key, BS, BS, 8, [5, 6], policy="cacheblend")
+        spec.token_ids = list(range(40))
+        return spec
+
+    w.start_load_kv(SemShareConnectorMetadata(failed_loads=[FailedLoad("a", 0, BS, [5])]))
+    assert w.get_block_ids_with_load_errors() == {5}  # step N: A's block, reported
+    w.start_load_kv(SemShareConnectorMetadata(loads=[b_behind_block_5("b")]))
+    assert w.get_block_ids_with_load_errors() == {6}  # step N + 1: B's claim not repaired
+    assert w.stats.totals["loads_behind_unwritten_prefix"] == 1
+    assert w.build_worker_meta() is None  # no repair to report
+    w.start_load_kv(SemShareConnectorMetadata())  # vLLM has rewound A and uncached block 5
+    assert w.get_block_ids_with_load_errors() == set()
+    w.start_load_kv(SemShareConnectorMetadata(loads=[b_behind_block_5("c")]))
+    assert w.get_block_ids_with_load_errors() == set()
+    assert [r.req_id for r in w.build_worker_meta().repairs] == ["c"]
+    w.shutdown()
