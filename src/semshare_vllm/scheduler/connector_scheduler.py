@@ -40,6 +40,7 @@ from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.loads import (
     LoadWatch,
     failed_load,
+    hold_back_every_repair,
     hold_back_unwritten_prefix,
     load_spec,
 )
@@ -314,16 +315,7 @@ class SemShareScheduler:
         scheduling the next step is scheduled before the failure comes back, and its requests
         would take them as written."""
         split = self._split_loads(scheduler_output)
-        if split is None:
-            split = (
-                [s for s in self._loads if s.policy == "none"],
-                [
-                    FailedLoad(s.req_id, s.dst_start, s.num_tokens, s.block_ids)
-                    for s in self._loads
-                    if s.policy != "none"
-                ],
-            )
-        loads, held = split
+        loads, held = hold_back_every_repair(self._loads) if split is None else split
         if held:
             self.stats.add("loads_behind_unwritten_prefix", len(held))
         for failed in self._failed_loads + held:

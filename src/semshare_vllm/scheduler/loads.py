@@ -100,6 +100,19 @@ def hold_back_unwritten_prefix(
         for s in repaired
         if filled is None or not filled.isdisjoint(s.block_ids[: s.dst_start // block_size])
     ]
+    return _report_failed(loads, held)
+
+
+def hold_back_every_repair(loads: list[LoadSpec]) -> tuple[list[LoadSpec], list[FailedLoad]]:
+    """Where the step's blocks cannot be told (a fault): every repaired load is reported failed,
+    never a repair over KV not known to exist."""
+    return _report_failed(loads, [s for s in loads if s.policy != "none"])
+
+
+def _report_failed(
+    loads: list[LoadSpec], held: list[LoadSpec]
+) -> tuple[list[LoadSpec], list[FailedLoad]]:
+    """``loads`` less ``held``, and ``held`` as failed loads: vLLM computes their tokens."""
     if not held:
         return loads, []
     kept = [s for s in loads if all(s is not h for h in held)]

@@ -5,7 +5,7 @@ reported failed, and what happens where the step's blocks cannot be read."""
 from types import SimpleNamespace
 
 from semshare_vllm.metadata import FailedLoad, LoadSpec
-from semshare_vllm.scheduler.loads import hold_back_unwritten_prefix
+from semshare_vllm.scheduler.loads import hold_back_every_repair, hold_back_unwritten_prefix
 
 BS = 16
 
@@ -89,3 +89,11 @@ def test_a_repair_behind_blocks_another_load_of_the_step_writes_or_fails_to_is_h
     unplanned = FailedLoad("a", 0, 2 * BS, [10, 11, 12, 13])  # A's claim, reported failed
     loads, held = hold_back_unwritten_prefix([b_load], [unplanned], out, Manager({}), BS)
     assert loads == [] and [f.req_id for f in held] == ["b"]
+
+
+def test_where_the_steps_blocks_cannot_be_told_every_repair_is_held_back():
+    copy_only = spec("a", BS, "none", [1, 2])
+    at_start = spec("b", 0, "adaptive", [3, 4])
+    loads, held = hold_back_every_repair([copy_only, at_start])
+    assert loads == [copy_only]
+    assert [(f.req_id, f.start, f.block_ids) for f in held] == [("b", 0, [3, 4])]
