@@ -108,10 +108,11 @@ class SemShareConnector(KVConnectorBase_V1):
                     self.config.embedding_sketch_dim,
                 )
             )
-            # exact_only: no LMCache tier on the worker, so shared donors could not be fetched
+            # exact_only: no LMCache tier on the worker, so shared donors could not be fetched;
+            # local_only: nothing would tell this engine's donors from other weights'
             feed = (
                 None
-                if geometry.unsupported or geometry.exact_only
+                if geometry.unsupported or geometry.exact_only or geometry.local_only
                 else shared_donor_feed(
                     self.config, geometry, vllm_config.model_config.max_model_len, stats
                 )

@@ -138,6 +138,9 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     disabled: str | None = None
     # each load repaired this step (one rank reports them, as the deviations)
     repairs: list[RepairReport] = field(default_factory=list)
+    # ``LoadSpec.seq`` of every load this step ran, whatever came of it (a failure is in the
+    # same output's invalid blocks): until then its blocks are no other request's prefix hit
+    loads_done: list[int] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -152,4 +155,5 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
             self.deviations + other.deviations,
             self.disabled or other.disabled,
             self.repairs + other.repairs,
+            sorted(set(self.loads_done) | set(other.loads_done)),
         )

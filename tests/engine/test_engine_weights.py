@@ -63,3 +63,40 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
     cold = offline.reference_outputs(str(model), [b], MAX_TOKENS)[0]
     assert other["out"]["token_ids"] == cold["token_ids"]
     assert other["out"]["num_cached_tokens"] == 0
+
+
+def test_donors_of_random_weights_are_never_persisted(tmp_path):
+    """``load_format`` "dummy" (random weights, as a benchmark or profiling run starts) at the
+    path of the real checkpoint: keyed by that path's files alone, its donors were restored by
+    the next lifetime on the real weights and served as exact prefixes, 224 tokens, and its
+    answer was not the real weights' cold answer (the reviewer's run on main). Now such an
+    engine persists and shares nothing."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(models.tiny_llama(), model)
+    tok = AutoTokenizer.from_pretrained(str(model))
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    doc = ids(wiki_document(700, 900))
+    a, b = doc + ids("\n\nQuestion: what is this about?"), doc + ids("\n\nSummarize it:")
+    persist = tmp_path / "donors"
+
+    dummy = lifetime(
+        model,
+        persist,
+        tmp_path,
+        prompt=a,
+        capture=True,
+        filler=ids("x " * 40),
+        engine_args={"load_format": "dummy"},
+    )
+    assert dummy["worker"]["captured_donors"] >= 1  # kept in memory, as ever
+    assert not list(persist.rglob("*.safetensors"))  # never written
+    real = lifetime(model, persist, tmp_path, prompt=b)
+    assert real["fingerprint"] != dummy["fingerprint"]
+    assert real["restored"] == 0 and real["scheduler"].get("hit_tokens", 0) == 0
+    cold = offline.reference_outputs(str(model), [b], MAX_TOKENS)[0]
+    assert real["out"]["token_ids"] == cold["token_ids"]

@@ -33,6 +33,7 @@ def request(req_id, tokens, salt=None, computed=0, outputs=()):
         all_token_ids=all_ids,
         num_tokens=len(all_ids),
         num_prompt_tokens=len(tokens),
+        num_output_tokens=len(all_ids) - len(tokens),
         cache_salt=salt,
         num_computed_tokens=computed,
     )

@@ -174,9 +174,17 @@ class EngineCore:
 
     def answer(self, out, kv_output=None):
         """The model's output for the step ``out`` (``kv_output``: the worker's
-        ``KVConnectorOutput``)."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        ``KVConnectorOutput``). As our worker does, it says which of the step's loads ran."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        from semshare_vllm.metadata import SemShareWorkerMetadata
+
+        ran = [spec.seq for spec in out.kv_connector_metadata.loads]
+        if ran:
+            kv_output = kv_output or KVConnectorOutput()
+            meta = kv_output.kv_connector_worker_meta or SemShareWorkerMetadata()
+            meta.loads_done = sorted(set(meta.loads_done) | set(ran))
+            kv_output.kv_connector_worker_meta = meta
         ids = list(out.num_scheduled_tokens)
         sampled = self._sampled.pop(id(out))
         output = ModelRunnerOutput(

@@ -28,7 +28,11 @@ class StoreConfig(Section):
         "Directory where donors are also written (atomically: temp file, fsync, rename) and "
         "found again after a restart. Unset: memory only. Corrupt or truncated files are skipped "
         "with a warning; partial files a killed writer left are removed at start-up (counted as "
-        "persisted_incomplete).",
+        "persisted_incomplete). Donors are kept apart by an engine fingerprint (weights, model "
+        "code, load format, dtypes, RoPE, max_model_len, block size, parallel layout, vLLM "
+        "version); an engine whose weights cannot be told from others (load_format 'dummy', "
+        "weights streamed from a URL, a hub id with no snapshot in vLLM's cache) persists and "
+        "shares nothing, with one warning.",
     )
     capture: bool = knob(True, "Capture the KV of finished requests as donors.")
     min_donor_tokens: int = knob(

@@ -55,6 +55,10 @@ COUNTERS: dict[str, str] = {
     "load_failures": "loads that failed (request recomputed those tokens)",
     "loads_behind_unwritten_prefix": "repaired loads not run: vLLM's own prefix hit under them "
     "held blocks the same step computes or loads (reported failed; vLLM computes the tokens)",
+    "waits_behind_unconfirmed_loads": "times a request was held one step because vLLM's own "
+    "prefix hit held blocks of a load whose step had not come back (it may yet fail)",
+    "unconfirmed_loads_uncached": "loads the worker never said it ran within a few steps: "
+    "their blocks left vLLM's prefix cache (should stay 0)",
     "tp_peer_failures": "loads failed on this tensor-parallel rank because they failed on "
     "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",

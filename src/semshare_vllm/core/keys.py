@@ -24,9 +24,12 @@ class DonorKey:
 
 
 def donor_id_for(namespace: str, token_ids: Sequence[int]) -> str:
+    ns = namespace.encode()
     h = hashlib.blake2b(digest_size=16)
-    h.update(namespace.encode())
-    h.update(b"\0")
+    # length-prefixed: a namespace holds a client's cache_salt, which may end in NULs and bytes
+    # that read as tokens
+    h.update(len(ns).to_bytes(8, "little"))
+    h.update(ns)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.hexdigest()
 

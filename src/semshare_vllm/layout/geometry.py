@@ -6,9 +6,12 @@ of it. Models or parallel layouts we cannot handle yet get ``unsupported`` set (
 and the connector stays out of their way: no claims, no captures.
 
 The fingerprint also keys what changes the KV of the same tokens without changing its shape: the
-weights' identity (a new checkpoint at the same path), their quantisation, RoPE overrides and the
-KV cache dtype, so that donors persisted or shared by an engine running other weights are never
-served as exact. Quantised KV with per-tensor fp8 scales gets ``exact_only`` (the reason): exact
+weights' and model code's identity (a new checkpoint at the same path), how they are loaded, their
+quantisation, RoPE (overrides, and ``max_model_len``, by which vLLM picks LongRoPE's factors), the
+KV cache dtype and the vLLM version, so that donors persisted or shared by an engine running other
+weights are never served as exact. Where nothing tells the weights from others (random weights,
+weights streamed from a URL, a hub id with no snapshot in the cache), ``local_only`` says why:
+that engine persists and shares nothing. Quantised KV with per-tensor fp8 scales gets ``exact_only`` (the reason): exact
 page copies stay valid, the RoPE correction and the selective recompute (which ignore the scales)
 are off. Any other quantised KV is ``unsupported``: a page copy would not carry its scales.
 """
@@ -40,6 +43,10 @@ class KVGeometry:
     # Set (the reason) for quantised KV whose pages may be copied as they are, but not moved to
     # other positions or repaired: exact-prefix reuse only, no discovery, no recompute.
     exact_only: str | None = None
+    # Set (the reason) when nothing tells these weights from others (random weights, weights
+    # streamed from a URL, a hub id with no snapshot we can see): the fingerprint could not
+    # tell a restart or another instance apart, so donors are neither persisted nor shared.
+    local_only: str | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -97,6 +104,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         fp,
         reason,
         exact_only,
+        unidentified_weights(vllm_config.model_config, getattr(vllm_config, "load_config", None)),
     )
 
 
@@ -140,6 +148,8 @@ def kv_quantisation(vllm_config, spec) -> tuple[str | None, str | None]:
 
 # ---- what else keys the KV of the same tokens ----------------------------------------------------
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+# A local model's own code (``trust_remote_code``) computes its KV as much as its weights do.
+_MODEL_FILE_SUFFIXES = _WEIGHT_SUFFIXES + (".py",)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -164,12 +174,12 @@ def _stable(obj):
 
 
 def _local_weights(path: Path) -> dict:
-    """Names, sizes and mtimes of a local model's weight files, and its config.json's hash:
-    a new checkpoint written at the same path changes it, and no weight byte is read."""
+    """Names, sizes and mtimes of a local model's weight and code files, and its config.json's
+    hash: a new checkpoint written at the same path changes it, and no weight byte is read."""
     files = (
         [path]
         if path.is_file()
-        else sorted(p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
+        else sorted(p for p in path.iterdir() if p.name.endswith(_MODEL_FILE_SUFFIXES))
     )
     out = {"files": file_stats(files)}
     config = (path if path.is_dir() else path.parent) / "config.json"
@@ -190,9 +200,34 @@ def weights_identity(model_config, load_config=None) -> dict:
     return {"hub": model, "commit": commit, "revision": None if commit else revision}
 
 
+def unidentified_weights(model_config, load_config=None) -> str | None:
+    """Why nothing here tells these weights from other weights under the same name, or None.
+    Then a fingerprint cannot key them, and their donors must stay in this process."""
+    load_format = str(getattr(load_config, "load_format", "auto") or "auto").lower()
+    if load_format == "dummy":
+        return "load_format 'dummy' computes with random weights"
+    model = str(getattr(model_config, "model", ""))
+    streamed = str(getattr(model_config, "model_weights", "") or "")
+    if streamed and streamed != model:
+        return f"the weights are streamed from {streamed}, whose version is not known here"
+    if os.path.exists(model):
+        path = Path(model)
+        if path.is_dir() and not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir()):
+            return f"no weight files in {model}"
+        return None
+    cache_dir = getattr(load_config, "download_dir", None)
+    if hub_snapshot(model, getattr(model_config, "revision", None), cache_dir) is None:
+        return f"{model} is neither a local path nor a hub snapshot in the cache vLLM reads"
+    return None
+
+
 def kv_identity(vllm_config) -> dict:
     """What changes the KV of the same tokens at the same shape: the weights (their identity,
-    quantisation, dtype), RoPE (overrides, scaling, theta) and the KV cache dtype."""
+    how they are loaded, quantisation, dtype), RoPE (overrides, scaling, theta, and
+    ``max_model_len``, by which vLLM picks LongRoPE's factors), the KV cache dtype, and the vLLM
+    that computed and laid out the pages."""
+    import vllm
+
     mc = vllm_config.model_config
     cache_config = getattr(vllm_config, "cache_config", None)
     rope = {}
@@ -211,6 +246,11 @@ def kv_identity(vllm_config) -> dict:
     return _stable(
         {
             "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
+            "load_format": str(
+                getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
+            ).lower(),
+            "max_model_len": getattr(mc, "max_model_len", None),
+            "vllm": getattr(vllm, "__version__", None),
             "quantization": getattr(mc, "quantization", None),
             "model_dtype": str(getattr(mc, "dtype", None)),
             "hf_overrides": getattr(mc, "hf_overrides", None),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 from semshare_vllm.catalog.donor_index import DonorIndex, PrefixMatch
 from semshare_vllm.catalog.eviction import make_policy
@@ -57,6 +56,7 @@ from semshare_vllm.scheduler.request_state import RequestState, Served
 from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
+from semshare_vllm.store.donor_file import persist_root
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
 from semshare_vllm.vllm_compat import prefix_cache_flags
 from semshare_vllm.vllm_compat.prefill_stats import local_cache_hit
@@ -119,9 +119,7 @@ class SemShareScheduler:
         self._failed_loads: list[FailedLoad] = []
         self._captures: list[CaptureSpec] = []
         self._capturing: set[str] = set()  # finished requests whose blocks we hold
-        root = None
-        if config.persist_dir:
-            root = Path(config.persist_dir) / geometry.fingerprint
+        root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
             None
             if root is None or self.search is None
@@ -135,6 +133,14 @@ class SemShareScheduler:
             return
         if refused:
             logger.warning("SemShare: exact-prefix reuse only: %s", refused)
+        if geometry.local_only and (
+            config.persist_dir or config.shared_index_url or config.kv_tier != "host"
+        ):
+            logger.warning(
+                "SemShare: donors stay in this process (persist_dir, the shared index and "
+                "LMCache are off): %s",
+                geometry.local_only,
+            )
         if root is not None:
             restore(root, geometry, self.catalog, self.search, self.stats)
 
@@ -165,6 +171,10 @@ class SemShareScheduler:
         state.local_hit = num_computed_tokens  # vLLM's own hit, block-aligned
         if self.geometry.unsupported:
             return 0, False
+        if self.load_watch.behind_unconfirmed(request, num_computed_tokens):
+            # vLLM's hit holds blocks a load of ours may not have written: ask again next step
+            self.stats.add("waits_behind_unconfirmed_loads")
+            return None, False
         if not keyable(request):  # prompt embeddings: their token ids say nothing
             if not state.counted:
                 state.counted = True
@@ -176,6 +186,11 @@ class SemShareScheduler:
         scoring = prefix_cache_flags.wants_cache_skip(request)
         if scoring and not (wants_prompt_logprobs(request) and reuse_limit(request) is not None):
             mode = "off"  # vLLM would drop the claim (prompt logprobs, pooling): no lookup
+        elif scoring and request.num_output_tokens > 0:
+            # Resumed after a preemption: its prompt logprobs went out with its first token and
+            # the runner keeps no rows for it. A claim would mark rows that are gone, fail, and
+            # restart them: every prompt logprob sent twice. vLLM computes it, as without us.
+            mode = "off"
         if mode == "off":
             state.counted = True
             return 0, False
@@ -262,6 +277,7 @@ class SemShareScheduler:
             spec.mark_logprobs_until = spec.dst_start + spec.num_tokens
             state.marks_logprobs = True
         self.load_watch.watch(state, block_ids, spec.dst_start)
+        self.load_watch.unconfirmed(spec.seq, request, block_ids, spec.dst_start)
         self.index.touch(spec.key)
         record = self.index.get(spec.key)
         if record is not None:
@@ -318,6 +334,10 @@ class SemShareScheduler:
         loads, held = hold_back_every_repair(self._loads) if split is None else split
         if held:
             self.stats.add("loads_behind_unwritten_prefix", len(held))
+            # their blocks leave vLLM's prefix cache below: nothing left to wait for
+            running = {spec.seq for spec in loads}
+            self.load_watch.confirmed(s.seq for s in self._loads if s.seq not in running)
+        self.load_watch.age_unconfirmed()
         for failed in self._failed_loads + held:
             vllm_block_hashes.evict_cached(
                 self.load_watch.kv_cache_manager,
@@ -403,6 +423,7 @@ class SemShareScheduler:
             )
         if meta.recompute_ready is not None:
             self.recompute_ready = meta.recompute_ready
+        self.load_watch.confirmed(meta.loads_done)
         for key, deviation in meta.deviations:  # feeds the "divergence" eviction policy
             if key in self.index:
                 self.catalog.report_deviation(key, min(1.0, deviation))

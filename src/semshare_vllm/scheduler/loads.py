@@ -16,6 +16,10 @@ from semshare_vllm.vllm_compat.step_blocks import blocks_filled_in_step
 # Outputs after a request finished during which a failure of its load may still come back
 # (async scheduling has up to two steps in flight).
 FAILURE_REPORT_OUTPUTS = 3
+# Steps scheduled after a load's own within which the worker must have said it ran (at most
+# two are in flight); past them its blocks leave vLLM's prefix cache instead of holding
+# other requests back.
+UNCONFIRMED_STEPS = 4
 
 
 def load_spec(
@@ -130,6 +134,11 @@ class LoadWatch:
         # loads of requests that finished before their step's output came back: their failure
         # may still be reported (async scheduling) -> (blocks, outputs left to wait)
         self._finished: dict[str, tuple[list[int], int]] = {}
+        # loads the worker has not yet said it ran: seq -> (block hashes, block ids, steps
+        # scheduled since). vLLM cached their blocks at allocation; until their step's output
+        # comes back (with a failure, if any) no other request may take them as its prefix.
+        self._unconfirmed: dict[int, tuple[frozenset, list[int], int]] = {}
+        self._unconfirmed_hashes: set = set()
         self.kv_cache_manager = None  # vLLM's, for evicting failed blocks
         # requests whose failed load had marked their prompt-logprob rows: the worker forgets
         # those rows before vLLM computes the prompt again (``take_logprob_restarts``)
@@ -138,6 +147,46 @@ class LoadWatch:
     def watch(self, state: RequestState, block_ids: list[int], start: int) -> None:
         """The request's blocks from the one holding ``start`` (the first a load writes) on."""
         state.loaded_blocks = block_ids[start // self.block_size :]
+
+    def unconfirmed(self, seq: int, request, block_ids: list[int], start: int) -> None:
+        """A load just allocated: its full blocks from the one holding ``start`` on are
+        unwritten until the worker says the load ran."""
+        first, end = start // self.block_size, request.num_prompt_tokens // self.block_size
+        hashes = frozenset(vllm_block_hashes.prefix_hashes(request, first, end))
+        if hashes:
+            self._unconfirmed[seq] = (hashes, block_ids[first:end], 0)
+            self._unconfirmed_hashes |= hashes
+
+    def behind_unconfirmed(self, request, num_computed_tokens: int) -> bool:
+        """Whether vLLM's own prefix hit of ``request`` holds a block of a load the worker has
+        not yet said it ran. With async scheduling the next step is scheduled before the
+        load's output comes back: a request taking those blocks then would compute over KV a
+        failed load never wrote, and vLLM would not rewind it."""
+        if not self._unconfirmed_hashes or num_computed_tokens < self.block_size:
+            return False
+        hit = vllm_block_hashes.prefix_hashes(request, 0, num_computed_tokens // self.block_size)
+        return any(h in self._unconfirmed_hashes for h in hit)
+
+    def confirmed(self, seqs) -> None:
+        """The worker ran these loads (a failure came in the same output, handled first)."""
+        for seq in seqs:
+            self._unconfirmed.pop(seq, None)
+        self._rehash()
+
+    def age_unconfirmed(self) -> None:
+        """One more step scheduled. A load never confirmed (its report lost) holds no request
+        back forever: its blocks leave vLLM's prefix cache instead, as a failed load's do."""
+        for seq, (hashes, blocks, steps) in list(self._unconfirmed.items()):
+            if steps + 1 < UNCONFIRMED_STEPS:
+                self._unconfirmed[seq] = (hashes, blocks, steps + 1)
+                continue
+            del self._unconfirmed[seq]
+            vllm_block_hashes.evict_cached(self.kv_cache_manager, blocks)
+            self.stats.add("unconfirmed_loads_uncached")
+        self._rehash()
+
+    def _rehash(self) -> None:
+        self._unconfirmed_hashes = set().union(*(h for h, _, _ in self._unconfirmed.values()))
 
     def finished(self, state: RequestState) -> None:
         if state.loaded_blocks is not None:

@@ -46,6 +46,14 @@ class DonorHeader:
     checksum: str
 
 
+def persist_root(persist_dir: str | None, geometry) -> Path | None:
+    """This engine's directory under ``persist_dir``; None when donors are not persisted (unset,
+    or an engine whose weights cannot be told from others: ``KVGeometry.local_only``)."""
+    if not persist_dir or geometry.local_only:
+        return None
+    return Path(persist_dir) / geometry.fingerprint
+
+
 def donor_path(root: Path, donor_id: str, tp_rank: int, tp_size: int) -> Path:
     return root / f"{donor_id}.tp{tp_rank}of{tp_size}{SUFFIX}"
 

@@ -82,6 +82,8 @@ class SemShareWorker:
 
     # ---- per step -----------------------------------------------------------------------------
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
+        # whatever happens to them below, this step's output says these loads ran
+        self.report.loads_done.extend(spec.seq for spec in meta.loads)
         for req_id in meta.restart_logprob_rows:
             self._restart_logprobs(req_id)
         for key in meta.evictions:

@@ -41,6 +41,7 @@ class WorkerReport:
     capacity: int | None = None  # once, after register_kv_caches
     recompute_ready: bool | None = None  # once, with the capacity
     disabled: str | None = None  # once, when this worker turned itself off
+    loads_done: list[int] = field(default_factory=list)  # seq of each load this step ran
 
     def fail_load(self, req_id: str, block_ids: list[int], start: int, num_tokens: int) -> None:
         """Report the blocks of positions ``[start, start + num_tokens)`` failed."""
@@ -82,6 +83,7 @@ class WorkerReport:
             and not self.deviations
             and not self.repairs
             and self.disabled is None
+            and not self.loads_done
         ):
             return None
         meta = SemShareWorkerMetadata(
@@ -91,7 +93,9 @@ class WorkerReport:
             self.deviations,
             self.disabled,
             self.repairs,
+            self.loads_done,
         )
         self.bad_donors, self.capacity, self.recompute_ready = [], None, None
         self.deviations, self.disabled, self.repairs = [], None, []
+        self.loads_done = []
         return meta

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -22,6 +21,7 @@ from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.layout.paged_cache import stack_layers
 from semshare_vllm.layout.specs import PageSpec, UnsupportedKVLayout, page_spec
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
+from semshare_vllm.store.donor_file import persist_root
 from semshare_vllm.store.host_store import HostKVStore, fit_to_memory
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.attention_layers import AttentionLayer, attention_layers
@@ -116,9 +116,7 @@ def check_whole_pages(cache: torch.Tensor, head_size: int) -> None:
 def make_store(
     config: SemShareConfig, geometry: KVGeometry, layout: PageSpec, cache: torch.Tensor, rank: int
 ) -> HostKVStore:
-    root = None
-    if config.persist_dir:
-        root = Path(config.persist_dir) / geometry.fingerprint
+    root = persist_root(config.persist_dir, geometry)
     capacity = fit_to_memory(config.host_store_bytes, geometry.tp_size)
     return HostKVStore(
         capacity,
@@ -184,6 +182,12 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
     readiness marks other instances wait for). If it cannot be set up (the extra is not
     installed, a bad backend URL), this worker goes on with the host store alone."""
     if config.kv_tier != "lmcache":
+        return None
+    if geometry.local_only:
+        logger.warning(
+            "SemShare: the LMCache tier is off on this worker (donors stay in this instance): %s",
+            geometry.local_only,
+        )
         return None
     if geometry.exact_only:
         logger.warning(

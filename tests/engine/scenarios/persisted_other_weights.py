@@ -1,8 +1,8 @@
 """Run in its own process by test_engine_weights.py and test_engine_lora.py: one engine lifetime
 on ``persist_dir``. Serves ``prompt`` (with the LoRA adapter ``lora``, ``[name, path]``, when
-given; then, with ``cold``, the same prompt opted out under its own salt), writes its donor to
-disk with ``capture``, and prints one JSON line: the outputs, the scheduler's and worker's stats,
-the fingerprint in use.
+given, and vLLM's own ``engine_args``, such as ``load_format``; then, with ``cold``, the same
+prompt opted out under its own salt), writes its donor to disk with ``capture``, and prints one
+JSON line: the outputs, the scheduler's and worker's stats, the fingerprint in use.
 
     persisted_other_weights.py MODEL PERSIST_DIR JOB_JSON
 """
@@ -18,12 +18,12 @@ from semshare_vllm.testbed import offline  # noqa: E402
 model, persist_dir, job_path = sys.argv[1:4]
 with open(job_path) as f:
     job = json.load(f)
-lora, engine_args = None, {}
+lora, engine_args = None, dict(job.get("engine_args", {}))
 if job.get("lora"):
     from vllm.lora.request import LoRARequest
 
     lora = LoRARequest(job["lora"][0], 1, job["lora"][1])
-    engine_args = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    engine_args.update(enable_lora=True, max_lora_rank=8, max_loras=1)
 llm = offline.semshare_llm(
     model,
     {"persist_dir": persist_dir, "host_store_bytes": "256MiB"},

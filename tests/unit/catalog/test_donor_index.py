@@ -62,3 +62,12 @@ def test_shrink_to_the_workers_real_capacity():
         idx.add(r)
     assert idx.shrink(250) == [recs[0].key, recs[1].key, recs[2].key]
     assert idx.used_bytes == 200 and idx.capacity_bytes == 250
+
+
+def test_two_namespaces_never_share_a_donor_id():
+    """A namespace holds the client's ``cache_salt``, which may hold NULs: with the namespace
+    ended by a NUL, ``("t", [1, 7, 9, 11])`` and ``("t\\0\\x01" + six NULs, [7, 9, 11])`` hashed
+    the same bytes, and one tenant could overwrite another's persisted donor file or readiness
+    mark (a recompute, not wrong KV: the file's header and the digests are checked)."""
+    assert donor_id_for("t", [1, 7, 9, 11]) != donor_id_for("t\0\x01" + "\0" * 6, [7, 9, 11])
+    assert donor_id_for("t", [1, 7]) == donor_id_for("t", [1, 7])

@@ -34,6 +34,9 @@ def vllm_config(
     calculate_kv_scales=False,
     revision=None,
     download_dir=None,
+    load_format="auto",
+    max_model_len=2048,
+    model_weights="",
 ):
     hf_config = SimpleNamespace(
         rope_scaling=rope_scaling, rope_theta=rope_theta, max_position_embeddings=4096
@@ -48,12 +51,14 @@ def vllm_config(
             hf_text_config=hf_config,
             dtype=torch.float16,
             tokenizer=str(model),
+            max_model_len=max_model_len,
+            model_weights=model_weights,
         ),
         cache_config=SimpleNamespace(
             cache_dtype=cache_dtype, block_size=16, calculate_kv_scales=calculate_kv_scales
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        load_config=SimpleNamespace(download_dir=download_dir),
+        load_config=SimpleNamespace(download_dir=download_dir, load_format=load_format),
     )
 
 
@@ -68,6 +73,12 @@ def fp(model, **kw):
     g = kv_geometry(vllm_config(model, **kw), kv_cache_config())
     assert g.unsupported is None
     return g.fingerprint
+
+
+def local_only(model, **kw):
+    g = kv_geometry(vllm_config(model, **kw), kv_cache_config())
+    assert g.unsupported is None
+    return g.local_only
 
 
 def test_same_inputs_same_fingerprint(model_dir):
@@ -140,10 +151,80 @@ def test_hub_id_is_keyed_by_its_cached_snapshot_commit(tmp_path):
     assert fp("org/tiny", download_dir=str(cache)) != first
     # pinned to a commit: that commit, whatever main says
     assert fp("org/tiny", download_dir=str(cache), revision="a" * 40) == first
-    # not in the cache: the revision string keys it
-    assert fp("org/absent", download_dir=str(cache), revision="v1") != fp(
-        "org/absent", download_dir=str(cache), revision="v2"
+    assert local_only("org/tiny", download_dir=str(cache)) is None
+
+
+def test_a_hub_id_with_no_cached_snapshot_keeps_its_donors_in_the_process(tmp_path):
+    """Not in the cache vLLM downloads to (ModelScope, another cache): its name alone would key
+    every version of the repository alike, so its donors are neither persisted nor shared."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    reason = local_only("org/absent", download_dir=str(cache), revision="v1")
+    assert reason and "org/absent" in reason
+
+
+def test_random_weights_are_keyed_apart_and_never_leave_the_process(model_dir):
+    """``load_format`` "dummy" computes with random weights read from no file: keyed by the
+    path alone, its donors were restored by a restart on the real checkpoint and served as
+    exact prefixes (a wrong answer; ``tests/engine/test_engine_weights.py``)."""
+    assert fp(model_dir, load_format="dummy") != fp(model_dir)
+    reason = local_only(model_dir, load_format="dummy")
+    assert reason and "dummy" in reason
+    assert (
+        local_only(model_dir) is None and local_only(model_dir, load_format="safetensors") is None
     )
+    assert fp(model_dir, load_format="safetensors") != fp(model_dir)
+
+
+def test_weights_streamed_from_object_storage_never_leave_the_process(tmp_path):
+    """vLLM's object-storage models (``s3://``): ``model`` becomes a mirror of the config and
+    tokenizer files, the weights stay at the URL; nothing here tells one upload from the next."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / "config.json").write_text('{"model_type": "llama"}')
+    reason = local_only(mirror, model_weights="s3://bucket/model")
+    assert reason and "s3://bucket/model" in reason
+
+
+def test_a_local_model_without_weight_files_never_leaves_the_process(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    assert local_only(d)
+
+
+def test_max_model_len_changes_it(model_dir):
+    """vLLM picks LongRoPE's long or short factors by ``max_model_len``: the same tokens get
+    other keys (a restart that changed only ``--max-model-len`` served the other factors' KV
+    as exact prefixes of a tiny Phi-3 in the reviewer's run)."""
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 16,
+        "long_factor": [2.0] * 16,
+        "original_max_position_embeddings": 4096,
+    }
+    assert fp(model_dir, rope_scaling=longrope, max_model_len=4096) != fp(
+        model_dir, rope_scaling=longrope, max_model_len=131072
+    )
+
+
+def test_the_models_own_code_changes_it(model_dir):
+    """A local model's remote code (``trust_remote_code``) computes its KV as much as its
+    weights do."""
+    (model_dir / "modeling_custom.py").write_text("def forward(x): return x\n")
+    before = fp(model_dir)
+    (model_dir / "modeling_custom.py").write_text("def forward(x): return 2 * x  # new\n")
+    assert fp(model_dir) != before
+
+
+def test_the_vllm_version_changes_it(model_dir, monkeypatch):
+    """Persisted pages are vLLM's own page bytes: another vLLM may lay them out or compute
+    them otherwise under the same layout name."""
+    import vllm
+
+    before = fp(model_dir)
+    monkeypatch.setattr(vllm, "__version__", "0.0.0-other")
+    assert fp(model_dir) != before
 
 
 # ---- KV formats ---------------------------------------------------------------------------------

@@ -4,8 +4,14 @@ reported failed, and what happens where the step's blocks cannot be read."""
 
 from types import SimpleNamespace
 
+from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.metadata import FailedLoad, LoadSpec
-from semshare_vllm.scheduler.loads import hold_back_every_repair, hold_back_unwritten_prefix
+from semshare_vllm.scheduler.loads import (
+    UNCONFIRMED_STEPS,
+    LoadWatch,
+    hold_back_every_repair,
+    hold_back_unwritten_prefix,
+)
 
 BS = 16
 
@@ -97,3 +103,27 @@ def test_where_the_steps_blocks_cannot_be_told_every_repair_is_held_back():
     loads, held = hold_back_every_repair([copy_only, at_start])
     assert loads == [copy_only]
     assert [(f.req_id, f.start, f.block_ids) for f in held] == [("b", 0, [3, 4])]
+
+
+def test_a_load_never_confirmed_stops_holding_requests_back_and_leaves_the_cache():
+    """The worker says which loads ran (``loads_done``); until then a request whose vLLM hit
+    holds their blocks waits. Should that word never come, the blocks leave vLLM's prefix cache
+    after a few steps, as a failed load's do, and nobody waits for them any more."""
+    evicted = []
+    watch = LoadWatch(BS, StatsRecorder())
+    watch.kv_cache_manager = SimpleNamespace(evict_blocks=evicted.append)
+    loaded = SimpleNamespace(block_hashes=[b"p0", b"p1", b"h2", b"h3"], num_prompt_tokens=4 * BS)
+    watch.unconfirmed(5, loaded, [40, 41, 42, 43], 2 * BS)  # writes its blocks 2 and 3
+    same = SimpleNamespace(block_hashes=[b"p0", b"p1", b"h2", b"x"])
+    assert not watch.behind_unconfirmed(same, 2 * BS)  # its hit: blocks vLLM computed
+    assert watch.behind_unconfirmed(same, 3 * BS)
+    watch.confirmed([5])
+    assert not watch.behind_unconfirmed(same, 3 * BS)
+
+    watch.unconfirmed(6, loaded, [40, 41, 42, 43], 2 * BS)
+    for _ in range(UNCONFIRMED_STEPS - 1):
+        watch.age_unconfirmed()
+        assert watch.behind_unconfirmed(same, 3 * BS) and not evicted
+    watch.age_unconfirmed()
+    assert not watch.behind_unconfirmed(same, 3 * BS)
+    assert evicted == [{42, 43}] and watch.stats.totals["unconfirmed_loads_uncached"] == 1

@@ -150,3 +150,69 @@ def test_a_scored_requests_failed_load_restarts_its_prompt_logprob_rows():
     assert core.step().kv_connector_metadata.restart_logprob_rows == []  # once
     core.run_to_end(target)
     core.connector.shutdown()
+
+
+def async_core_with_load(salt: int):
+    """Async scheduling, prefix caching on: a donor only the connector holds, and request R
+    claiming 8 of its blocks, its step in flight; then S with the same 8-block prefix."""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, salt)))
+    core.step()
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    prefix = list(donor.prompt_token_ids[: 8 * bs])
+    r = core.add(core.request(prefix + ids(20, salt + 1), max_tokens=4))
+    (load,) = core.pipeline().kv_connector_metadata.loads  # step t: R's load, in flight
+    s = core.add(core.request(prefix + ids(20, salt + 2), max_tokens=4))
+    return core, r, s, load
+
+
+def run_all(core, *reqs) -> dict[str, list[int]]:
+    """Every step to the end: the tokens each request was scheduled per step."""
+    scheduled = {r.request_id: [] for r in reqs}
+    for _ in range(60):
+        if all(r.is_finished() for r in reqs) and not core.in_flight:
+            break
+        out = core.pipeline()
+        if out is not None:
+            for r in reqs:
+                scheduled[r.request_id].append(out.num_scheduled_tokens.get(r.request_id, 0))
+    assert all(r.is_finished() for r in reqs)
+    core.drain()
+    # the captures of those kept as donors done: vLLM frees their blocks
+    held = {r.request_id for r in reqs if core.finished[r.request_id][0]}
+    core.step(KVConnectorOutput(finished_sending=held))
+    return scheduled
+
+
+def test_with_async_scheduling_no_request_takes_a_load_in_flight_as_its_prefix():
+    """Async scheduling (CUDA's default): the step after R's is scheduled before R's output
+    comes back. vLLM cached R's blocks when it allocated them, so S took them as its own
+    prefix-cache hit in that step; R's load then failed in the worker, vLLM rewound R, but left
+    S's tokens computed over the KV nobody wrote (it counts on R to recompute the shared blocks,
+    which holds only when both are in one step): S's first token and its suffix's KV came from
+    garbage (the reviewer's trace: S scheduled 20 tokens, then 1, 1, 1, never its prefix). Now
+    S waits until R's load is known written: here it failed, so S computes the prefix."""
+    core, r, s, load = async_core_with_load(16)
+    bs = core.block_size
+    ahead = core.pipeline(worker_failure(core, load))  # step t+1, then step t's failure
+    assert s.request_id not in ahead.num_scheduled_tokens  # not behind R's unwritten blocks
+    assert core.ours.stats.totals["waits_behind_unconfirmed_loads"] >= 1
+    scheduled = run_all(core, r, s)
+    first = next(n for n in scheduled[s.request_id] if n)
+    assert first >= 8 * bs  # S computed the prefix R's load never wrote
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_with_async_scheduling_a_request_behind_a_written_load_shares_its_blocks():
+    """The control: R's load succeeds; S, a step later, takes R's written blocks as its hit."""
+    core, r, s, load = async_core_with_load(26)
+    ahead = core.pipeline()  # step t+1, then step t's output: R's load written
+    assert s.request_id not in ahead.num_scheduled_tokens
+    scheduled = run_all(core, r, s)
+    first = next(n for n in scheduled[s.request_id] if n)
+    assert first == 20  # its own suffix only: the 8 blocks came from R's load
+    core.connector.shutdown()
+    core.assert_empty()

@@ -56,3 +56,46 @@ def test_a_preempted_request_is_claimed_again_into_its_new_blocks(prefix_caching
     core.step()
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_a_scored_request_resumed_after_its_prompt_is_not_claimed_again():
+    """A request asking for prompt logprobs with ``semshare_reuse_limit`` is served, decodes,
+    and is preempted. Its prompt logprobs went out with its first token, and vLLM's runner
+    keeps no rows for it any more: claimed again on resumption, the worker could not mark its
+    rows, failed the load, and the restart asked the runner for the rows again, so the client
+    got every prompt logprob twice (455 rows for a 228-token prompt, the reviewer's run with
+    SmolLM2). Without the connector vLLM resumes it from its own computation, scoring nothing
+    again: so do we."""
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(8 * bs + 5, 41)))
+    core.step()
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    core.acks_captures = True
+
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 42)
+    target = core.add(
+        core.request(
+            prompt, max_tokens=8, prompt_logprobs=1, params={"semshare_reuse_limit": 8 * bs}
+        )
+    )
+    (load,) = core.step().kv_connector_metadata.loads
+    assert load.req_id == target.request_id and load.mark_logprobs_until == 8 * bs
+    for _ in range(10):
+        if target.num_output_tokens >= 3:
+            break
+        core.step()
+    assert target.num_output_tokens >= 3
+    assert core.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert target.num_preemptions == 1 and target.num_computed_tokens == 0
+
+    resumed = core.step()
+    assert target.request_id in resumed.scheduled_cached_reqs.resumed_req_ids
+    meta = resumed.kv_connector_metadata
+    assert not meta.loads and meta.restart_logprob_rows == []
+    assert resumed.num_scheduled_tokens[target.request_id] == target.num_computed_tokens
+    core.run_to_end(target)
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()

@@ -101,20 +101,23 @@ def test_a_repair_behind_the_chunk_a_running_prefill_computes_in_the_same_step_i
     core.connector.shutdown()
 
 
-def test_a_repair_behind_the_blocks_another_load_of_the_step_writes_is_not_run():
-    """A's exact load writes the blocks B's prefix-cache hit takes, in the worker, before B's
-    repair would run; should it fail there, B would have attended over nothing. B waits."""
+def test_a_request_behind_the_blocks_another_load_of_the_step_writes_waits_for_them():
+    """A's exact load writes the blocks B's prefix-cache hit would take, in the worker, before
+    B's repair would run; should it fail there, B would have attended over nothing. B is not
+    scheduled until A's step has come back; then its repair runs over A's written blocks."""
     core, donor = core_with_donor()
     a = core.add(core.request(donor[: 10 * BS] + ids(40, 2)))
     b = core.add(core.request(donor[: 18 * BS] + ids(30, 3)))
     out = core.schedule()
-    assert core.block_ids(b.request_id)[:10] == core.block_ids(a.request_id)[:10]
     meta = out.kv_connector_metadata
     assert [(s.req_id, s.dst_start) for s in meta.loads] == [(a.request_id, 0)]
-    (failed,) = meta.failed_loads
-    assert (failed.req_id, failed.start) == (b.request_id, 10 * BS)
-    core.answer(out, worker_reports(core, failed))
-    assert b.num_computed_tokens == 10 * BS
+    assert b.request_id not in out.num_scheduled_tokens and not meta.failed_loads
+    assert core.ours.stats.totals["waits_behind_unconfirmed_loads"] == 1
+    core.answer(out)  # A's load ran
+    out = core.step()
+    assert core.block_ids(b.request_id)[:10] == core.block_ids(a.request_id)[:10]
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.req_id, load.dst_start) == (b.request_id, 10 * BS)
     core.run_to_end(a)
     core.run_to_end(b)
     core.connector.shutdown()

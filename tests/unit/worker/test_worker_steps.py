@@ -59,8 +59,10 @@ def test_capture_then_exact_load_then_failed_loads(monkeypatch):
     assert w.get_finished({"a"}) == ({"a"}, None)  # its blocks may be freed
     assert key in w.kv.store and w.stats.totals["captured_donors"] == 1
 
-    w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("b", key, 0, 0, 40, [3, 4])]))
+    load = LoadSpec("b", key, 0, 0, 40, [3, 4], seq=7)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[load]))
     assert w.stats.totals["loaded_tokens"] == 40
+    assert w.build_worker_meta().loads_done == [7]  # the scheduler's blocks may be shared now
     for cache in w.kv.caches:  # [B, H, N, 2D]
         got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
         want = torch.cat([cache[1], cache[2]], dim=1)[:, :40]
@@ -79,12 +81,15 @@ def test_capture_then_exact_load_then_failed_loads(monkeypatch):
 
     # the donor is gone before its load: blocks failed, donor reported bad
     w.start_load_kv(
-        SemShareConnectorMetadata(evictions=[key], loads=[LoadSpec("e", key, 0, 0, 40, [6, 7])])
+        SemShareConnectorMetadata(
+            evictions=[key], loads=[LoadSpec("e", key, 0, 0, 40, [6, 7], seq=8)]
+        )
     )
     assert key not in w.kv.store and w.get_block_ids_with_load_errors() == {6, 7}
     assert w.stats.totals["load_failures"] == 2
     meta = w.build_worker_meta()
     assert meta.bad_donors == [other, key]
+    assert meta.loads_done == [8]  # ran, and failed: in the same output
     assert "fallbacks" not in w.stats.totals
     w.shutdown()
 
@@ -222,7 +227,9 @@ def test_a_repair_another_rank_failed_reports_no_figures(monkeypatch):
     monkeypatch.setattr(tensor_parallel, "all_agree", lambda ok: ok and next(answers))
     w.start_load_kv(SemShareConnectorMetadata(loads=[spec]))
     assert w.get_block_ids_with_load_errors() == {3, 4}
-    assert w.build_worker_meta() is None and w.stats.totals["tp_peer_failures"] == 1
+    meta = w.build_worker_meta()
+    assert meta.repairs == [] and meta.deviations == [] and meta.loads_done == [7]
+    assert w.stats.totals["tp_peer_failures"] == 1
     w.shutdown()
 
 
@@ -308,7 +315,7 @@ def test_a_repair_over_blocks_a_load_failed_to_write_is_not_run(monkeypatch):
     w.start_load_kv(SemShareConnectorMetadata(loads=[b_behind_block_5("b")]))
     assert w.get_block_ids_with_load_errors() == {6}  # step N + 1: B's claim not repaired
     assert w.stats.totals["loads_behind_unwritten_prefix"] == 1
-    assert w.build_worker_meta() is None  # no repair to report
+    assert w.build_worker_meta().repairs == []  # no repair to report
     w.start_load_kv(SemShareConnectorMetadata())  # vLLM has rewound A and uncached block 5
     assert w.get_block_ids_with_load_errors() == set()
     w.start_load_kv(SemShareConnectorMetadata(loads=[b_behind_block_5("c")]))
