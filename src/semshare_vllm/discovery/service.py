@@ -5,7 +5,8 @@ The scheduler half hands work over and picks results up; it never blocks here:
 * ``lookup(namespace, token_ids)`` -> a ``Future[Lookup]``: a SimHash scan for near-duplicates;
   then the donors sharing the prompt's token 4-grams (``ngrams.py``): none with enough -> no
   donor; some holding at least half -> they are the candidates (no embedding needed either);
-  else, if the prompt can be embedded before its deadline (``EmbedSpeed``), detokenise ->
+  else, if the prompt can be embedded before its deadline (``EmbedSpeed``; a long prompt with
+  no recent estimate is measured on its first tokens first), detokenise ->
   embed -> cosine top-k in the namespace, and if not, no donor. Lookups run on their own
   thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
@@ -81,9 +82,12 @@ class EmbedSpeed:
     the thread from the next lookup while its request has long gone on without it."""
 
     MIN_TOKENS = 256  # shorter embeddings measure the fixed costs more than the rate
+    # A prompt longer than this is not embedded blind: with no recent estimate, its first
+    # PROBE_TOKENS are embedded to measure the rate (about a quarter of the default deadline).
+    PROBE_TOKENS = MIN_TOKENS
     WEIGHT = 0.3  # of the newest measurement in the running estimate
     # A slow spell (a busy core) must not refuse long prompts for good: nothing refused is
-    # measured, so one is embedded anyway once the estimate is this old.
+    # measured, so an estimate this old is measured again (a probe).
     REMEASURE_S = 60.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
@@ -99,15 +103,14 @@ class EmbedSpeed:
         self.ms_per_token = rate if old is None else old + self.WEIGHT * (rate - old)
         self._measured_at = self._clock()
 
+    def due(self) -> bool:
+        """Whether the estimate is missing or old enough to be measured again."""
+        return self.ms_per_token is None or self._clock() - self._measured_at >= self.REMEASURE_S
+
     def in_time(self, tokens: int, deadline_ms: float) -> bool:
-        """Whether to embed a prompt of ``tokens``: it would finish by ``deadline_ms``, or the
-        estimate is due to be measured again."""
-        if self.ms_per_token is None or self.ms_per_token * tokens <= deadline_ms:
-            return True
-        if self._clock() - self._measured_at >= self.REMEASURE_S:
-            self._measured_at = self._clock()  # one try per period, measured or not
-            return True
-        return False
+        """Whether a prompt of ``tokens`` would be embedded by ``deadline_ms`` (unmeasured:
+        yes; the caller probes long prompts first)."""
+        return self.ms_per_token is None or self.ms_per_token * tokens <= deadline_ms
 
 
 class _JobThread:
@@ -331,9 +334,15 @@ class DiscoveryService:
                 if self.deadline_ms is None
                 else (self.deadline_ms - (time.monotonic() - asked) * 1e3)
             )
-            if left_ms is not None and not self.embed_speed.in_time(len(token_ids), left_ms):
-                future.set_result(Lookup([], None, fingerprint, too_long_to_embed=True))
-                return
+            if left_ms is not None:
+                probe = EmbedSpeed.PROBE_TOKENS
+                if self.embed_speed.due() and len(token_ids) > probe:
+                    _, probe_ms = self._embed(token_ids[:probe])  # the rate, not blind
+                    self.embed_speed.observe(probe, probe_ms)
+                    left_ms -= probe_ms
+                if not self.embed_speed.in_time(len(token_ids), left_ms):
+                    future.set_result(Lookup([], None, fingerprint, too_long_to_embed=True))
+                    return
             embedding, embed_ms = self._embed(token_ids)
             self.embed_speed.observe(len(token_ids), embed_ms)
             found = self.index.search(namespace, embedding.vector, self.top_k, self.threshold)

@@ -11,9 +11,10 @@ quantisation, RoPE (overrides, and ``max_model_len``, by which vLLM picks LongRo
 KV cache dtype and the vLLM version, so that donors persisted or shared by an engine running other
 weights are never served as exact. Where nothing tells the weights from others (random weights,
 weights streamed from a URL, a hub id with no snapshot in the cache), ``local_only`` says why:
-that engine persists and shares nothing. Quantised KV with per-tensor fp8 scales gets ``exact_only`` (the reason): exact
-page copies stay valid, the RoPE correction and the selective recompute (which ignore the scales)
-are off. Any other quantised KV is ``unsupported``: a page copy would not carry its scales.
+that engine persists and shares nothing. Quantised KV with per-tensor fp8 scales gets
+``exact_only`` (the reason): exact page copies stay valid, the RoPE correction and the selective
+recompute (which ignore the scales) are off. Any other quantised KV is ``unsupported``: a page
+copy would not carry its scales.
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ class BagOfTokens:
         self.gate = threading.Event()
         self.gate.set()
         self.calls = 0
+        self.lengths = []  # of each text embedded, in words (token ids)
 
     def embed(self, text):
         self.gate.wait(30)
+        self.lengths.append(len(text.split()))
         if len(text.split()) > 1000:  # a long donor: half a second
             time.sleep(0.5)
         self.calls += 1
@@ -224,29 +226,55 @@ def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
     settle(s)
     assert s.discovery.embed_speed.ms_per_token is None  # donors' embeddings do not count
     calls = emb.calls
-    # holds a fifth of the donor's grams: embedded, as nothing was measured yet (300 ms)
+    # holds a fifth of the donor's grams: nothing measured yet, so its first 256 tokens are
+    # (256 ms), and then all of it (300 ms, within what is left of the deadline)
     first = request("a", list(range(5000, 5240)) + DOC[:60])
     s.on_new_request(first)
     ask(s, first)
-    assert emb.calls == calls + 1
+    assert emb.calls == calls + 2 and emb.lengths[-2:] == [EmbedSpeed.PROBE_TOKENS, 300]
     assert 0.9 <= s.discovery.embed_speed.ms_per_token < 2
     # 1,500 tokens would take 1.5 s: past the deadline, so answered without an embedding
     long = request("b", list(range(6000, 7350)) + DOC[:150])
     s.on_new_request(long)
     t0 = time.monotonic()
     assert ask(s, long)[-1] == (0, False)
-    assert time.monotonic() - t0 < 0.5 and emb.calls == calls + 1
+    assert time.monotonic() - t0 < 0.5 and emb.calls == calls + 2
     assert found(s, "b") is None and s.stats.totals["lookups_too_long_to_embed"] == 1
     # just as long, but holding 60% of the donor's grams: a candidate without an embedding
     close = request("c", list(range(8000, 8120)) + [9] * 1190 + DOC[:190])
     s.on_new_request(close)
     ask(s, close)
-    assert found(s, "c").candidates[0].method == "grams" and emb.calls == calls + 1
+    assert found(s, "c").candidates[0].method == "grams" and emb.calls == calls + 2
     # a shorter one is still embedded (400 ms, within the deadline)
     short = request("d", list(range(9000, 9340)) + DOC[:60])
     s.on_new_request(short)
     ask(s, short)
-    assert emb.calls == calls + 2 and s.stats.totals["lookups_too_long_to_embed"] == 1
+    assert emb.calls == calls + 3 and s.stats.totals["lookups_too_long_to_embed"] == 1
+
+
+def test_a_long_prompt_is_not_embedded_blind_before_the_rate_is_known():
+    """Nothing measured yet (a fresh server), a long prompt sharing a few of a donor's 4-grams:
+    the lookup embedded all of it on the lookup thread, past its deadline, and lookups queued
+    behind it waited too (4K bench, 2026-11-28: the rag-qa donor's lookup and a later target's
+    ran out their 200 ms). Now the rate is measured on the prompt's first tokens first."""
+    s, emb = scheduler(
+        TokenPaced(),
+        min_shared_grams=0.05,
+        gram_match_share=GRAM_MATCH_SHARE,
+        lookup_deadline_ms=1000,
+    )
+    finish(s, DOC)
+    settle(s)
+    assert s.discovery.embed_speed.ms_per_token is None
+    calls = emb.calls
+    long = request("b", list(range(6000, 7350)) + DOC[:150])  # 1.5 s to embed whole
+    s.on_new_request(long)
+    t0 = time.monotonic()
+    assert ask(s, long)[-1] == (0, False)
+    assert time.monotonic() - t0 < 0.7  # the probe only
+    assert emb.calls == calls + 1 and emb.lengths[-1] <= EmbedSpeed.PROBE_TOKENS
+    assert s.stats.totals["lookups_too_long_to_embed"] == 1
+    assert "lookup_timeouts" not in s.stats.totals
 
 
 def test_a_lookup_queued_behind_an_embedding_counts_what_is_left_of_its_deadline():
@@ -277,13 +305,15 @@ def test_embed_speed_follows_what_it_measures_and_measures_again():
     assert speed.ms_per_token == 0.5 and speed.in_time(400, 200) and not speed.in_time(401, 200)
     speed.observe(1000, 5000)  # much slower now (a busy core): the estimate moves toward it
     assert 0.5 < speed.ms_per_token < 5 and not speed.in_time(400, 200)
-    # refused prompts are never measured: a while later, one is embedded to measure again
+    # refused prompts are never measured: a while later the estimate is due again (the
+    # lookup then probes the next long prompt's head)
+    assert not speed.due()
     now[0] += EmbedSpeed.REMEASURE_S - 1
-    assert not speed.in_time(400, 200)
+    assert not speed.due()
     now[0] += 1
-    assert speed.in_time(400, 200)  # this one goes through...
-    assert not speed.in_time(400, 200)  # ...and only it, until the next period
+    assert speed.due()
     speed.observe(1000, 200)  # the core is free again
+    assert not speed.due()
     for _ in range(8):
         speed.observe(1000, 200)
     assert speed.in_time(400, 200)
