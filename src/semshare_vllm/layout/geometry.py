@@ -251,6 +251,7 @@ def kv_identity(vllm_config) -> dict:
                 getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
             ).lower(),
             "max_model_len": getattr(mc, "max_model_len", None),
+            "code_revision": getattr(mc, "code_revision", None),  # a hub model's remote code
             "vllm": getattr(vllm, "__version__", None),
             "quantization": getattr(mc, "quantization", None),
             "model_dtype": str(getattr(mc, "dtype", None)),

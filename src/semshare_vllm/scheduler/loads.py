@@ -149,12 +149,14 @@ class LoadWatch:
         state.loaded_blocks = block_ids[start // self.block_size :]
 
     def unconfirmed(self, seq: int, request, block_ids: list[int], start: int) -> None:
-        """A load just allocated: its full blocks from the one holding ``start`` on are
-        unwritten until the worker says the load ran."""
-        first, end = start // self.block_size, request.num_prompt_tokens // self.block_size
-        hashes = frozenset(vllm_block_hashes.prefix_hashes(request, first, end))
+        """A load just allocated: its full blocks from the one holding ``start`` on (through
+        every block the request has a hash for: a resumed request's claim may go past its
+        prompt, and what vLLM computes after a load reads it) are unwritten until the worker
+        says the load ran."""
+        first = start // self.block_size
+        hashes = frozenset(vllm_block_hashes.prefix_hashes(request, first, None))
         if hashes:
-            self._unconfirmed[seq] = (hashes, block_ids[first:end], 0)
+            self._unconfirmed[seq] = (hashes, block_ids[first : first + len(hashes)], 0)
             self._unconfirmed_hashes |= hashes
 
     def behind_unconfirmed(self, request, num_computed_tokens: int) -> bool:

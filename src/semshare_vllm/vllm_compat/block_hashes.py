@@ -59,8 +59,9 @@ def make_request_only(request, start: int, block_size: int) -> bool:
     return True
 
 
-def prefix_hashes(request, first_block: int, end_block: int) -> list:
-    """The request's block hashes ``[first_block, end_block)``: what vLLM caches (or looked up)
+def prefix_hashes(request, first_block: int, end_block: int | None) -> list:
+    """The request's block hashes ``[first_block, end_block)`` (None: to its last full block):
+    what vLLM caches (or looked up)
     its full blocks under. Hash blocks are the scheduler's blocks here: the connector declines
     layouts with several KV-cache groups, the only ones vLLM hashes in smaller blocks."""
     return list(getattr(request, "block_hashes", ())[first_block:end_block])

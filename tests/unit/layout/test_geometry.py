@@ -215,6 +215,10 @@ def test_the_models_own_code_changes_it(model_dir):
     before = fp(model_dir)
     (model_dir / "modeling_custom.py").write_text("def forward(x): return 2 * x  # new\n")
     assert fp(model_dir) != before
+    # a hub model's code at another revision than its weights
+    config = vllm_config(model_dir)
+    config.model_config.code_revision = "v2"
+    assert kv_geometry(config, kv_cache_config()).fingerprint != fp(model_dir)
 
 
 def test_the_vllm_version_changes_it(model_dir, monkeypatch):

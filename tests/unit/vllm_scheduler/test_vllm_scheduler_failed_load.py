@@ -3,9 +3,11 @@
 "recompute"), the donor is forgotten, the failed blocks leave vLLM's prefix cache, and the
 request is never captured."""
 
+import time
+
 import pytest
 from support.tokens import random_id_list as ids
-from support.vllm_engine_core import EngineCore, engine_config
+from support.vllm_engine_core import SAMPLED, EngineCore, engine_config
 from vllm.v1.outputs import KVConnectorOutput
 
 from semshare_vllm.worker.reports import WorkerReport
@@ -216,3 +218,38 @@ def test_with_async_scheduling_a_request_behind_a_written_load_shares_its_blocks
     assert first == 20  # its own suffix only: the 8 blocks came from R's load
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_a_load_past_the_prompt_is_waited_for_too():
+    """A request resumed after a preemption may be claimed beyond its prompt (its output
+    tokens are in a donor too). Only blocks up to the prompt's end were kept back, so S, the
+    same tokens and more, took the output blocks R's load had yet to write in the next async
+    step, and kept its tokens when that load failed (the reviewer's reproduction: S's hit of
+    160 tokens, past the 128 where R's load began)."""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True, block_size=16))
+    bs = core.block_size
+    k = 2 * bs + 5
+    prompt = ids(8 * bs + 3, 71)
+    donor = core.add(core.request(prompt + [SAMPLED] * k + ids(5, 72), max_tokens=1))
+    core.step()
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+
+    r = core.add(core.request(prompt, max_tokens=k + 50))
+    for _ in range(200):
+        if r.num_output_tokens >= k:
+            break
+        core.step()
+    assert list(r.all_token_ids)[: len(prompt) + k] == prompt + [SAMPLED] * k
+    blocks = core.block_ids(r.request_id)
+    core.scheduler.running.remove(r)  # preempted, as vLLM's schedule() does out of blocks
+    core.scheduler._preempt_request(r, time.monotonic())
+    # its freed tail reused first: only its prompt's full blocks stay in vLLM's cache
+    core.scheduler.kv_cache_manager.evict_blocks(set(blocks[len(prompt) // bs :]))
+
+    (load,) = core.pipeline().kv_connector_metadata.loads  # R resumed: its output blocks
+    assert load.req_id == r.request_id and load.dst_start >= r.num_prompt_tokens // bs * bs
+    s = core.add(core.request(list(r.all_token_ids) + ids(20, 73), max_tokens=2))
+    ahead = core.pipeline(worker_failure(core, load))  # step t+1, then step t's failure
+    assert s.request_id not in ahead.num_scheduled_tokens
+    assert s.num_computed_tokens <= load.dst_start  # nothing of R's failed load counted
