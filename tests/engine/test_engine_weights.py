@@ -36,7 +36,9 @@ def rewrite_weights(model_dir: Path) -> None:
     assert path.stat().st_size == size
 
 
-def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
+def model_and_prompts(tmp_path):
+    """A copy of the tiny Llama to rewrite, two prompts on one document (the second served from
+    the first's donor), and a filler prompt (the step that starts a capture)."""
     from transformers import AutoTokenizer
 
     model = tmp_path / "model"
@@ -48,9 +50,14 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
 
     doc = ids(wiki_document(700, 900))
     a, b = doc + ids("\n\nQuestion: what is this about?"), doc + ids("\n\nSummarize it:")
+    return model, a, b, ids("x " * 40)
+
+
+def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
+    model, a, b, filler = model_and_prompts(tmp_path)
     persist = tmp_path / "donors"
 
-    first = lifetime(model, persist, tmp_path, prompt=a, capture=True, filler=ids("x " * 40))
+    first = lifetime(model, persist, tmp_path, prompt=a, capture=True, filler=filler)
     assert first["restored"] == 0 and first["worker"]["captured_donors"] >= 1
     same = lifetime(model, persist, tmp_path, prompt=b)  # control: same weights, restart
     assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0
@@ -71,17 +78,7 @@ def test_donors_of_random_weights_are_never_persisted(tmp_path):
     the next lifetime on the real weights and served as exact prefixes, 224 tokens, and its
     answer was not the real weights' cold answer (the reviewer's run on main). Now such an
     engine persists and shares nothing."""
-    from transformers import AutoTokenizer
-
-    model = tmp_path / "model"
-    shutil.copytree(models.tiny_llama(), model)
-    tok = AutoTokenizer.from_pretrained(str(model))
-
-    def ids(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    doc = ids(wiki_document(700, 900))
-    a, b = doc + ids("\n\nQuestion: what is this about?"), doc + ids("\n\nSummarize it:")
+    model, a, b, filler = model_and_prompts(tmp_path)
     persist = tmp_path / "donors"
 
     dummy = lifetime(
@@ -90,7 +87,7 @@ def test_donors_of_random_weights_are_never_persisted(tmp_path):
         tmp_path,
         prompt=a,
         capture=True,
-        filler=ids("x " * 40),
+        filler=filler,
         engine_args={"load_format": "dummy"},
     )
     assert dummy["worker"]["captured_donors"] >= 1  # kept in memory, as ever

@@ -76,6 +76,14 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         reason = "K and V head sizes differ"
     if reason is None and parallel.pipeline_parallel_size > 1:
         reason = "pipeline parallelism is not supported yet"
+    context_parallel = max(
+        getattr(parallel, "decode_context_parallel_size", 1),
+        getattr(parallel, "prefill_context_parallel_size", 1),
+    )
+    if reason is None and context_parallel > 1:
+        # a rank's blocks hold the request's tokens interleaved with other ranks', and vLLM
+        # hashes blocks of block_size times the ranks
+        reason = "context parallelism (decode or prefill) is not supported yet"
     if reason is not None and spec is None:
         return KVGeometry((), 1, 0, 0, torch.float32, parallel.tensor_parallel_size, "", reason)
 

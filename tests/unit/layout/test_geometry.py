@@ -273,3 +273,15 @@ def test_fp8_with_computed_scales_is_declined(model_dir):
 def test_other_quantised_kv_is_declined(model_dir, cache_dtype):
     g = geometry_for(model_dir, cache_dtype)
     assert g.unsupported and cache_dtype in g.unsupported
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_declined(model_dir, name):
+    """With context parallelism a request's tokens are spread over ranks (vLLM hashes blocks
+    of ``block_size`` times the ranks): a block here is not the KV of consecutive tokens."""
+    config = vllm_config(model_dir)
+    setattr(config.parallel_config, name, 2)
+    g = kv_geometry(config, kv_cache_config())
+    assert g.unsupported and "context parallel" in g.unsupported
+    setattr(config.parallel_config, name, 1)
+    assert kv_geometry(config, kv_cache_config()).unsupported is None
