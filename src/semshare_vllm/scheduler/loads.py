@@ -138,7 +138,6 @@ class LoadWatch:
         # scheduled since). vLLM cached their blocks at allocation; until their step's output
         # comes back (with a failure, if any) no other request may take them as its prefix.
         self._unconfirmed: dict[int, tuple[frozenset, list[int], int]] = {}
-        self._unconfirmed_hashes: set = set()
         self.kv_cache_manager = None  # vLLM's, for evicting failed blocks
         # requests whose failed load had marked their prompt-logprob rows: the worker forgets
         # those rows before vLLM computes the prompt again (``take_logprob_restarts``)
@@ -157,23 +156,21 @@ class LoadWatch:
         hashes = frozenset(vllm_block_hashes.prefix_hashes(request, first, None))
         if hashes:
             self._unconfirmed[seq] = (hashes, block_ids[first : first + len(hashes)], 0)
-            self._unconfirmed_hashes |= hashes
 
     def behind_unconfirmed(self, request, num_computed_tokens: int) -> bool:
         """Whether vLLM's own prefix hit of ``request`` holds a block of a load the worker has
         not yet said it ran. With async scheduling the next step is scheduled before the
         load's output comes back: a request taking those blocks then would compute over KV a
         failed load never wrote, and vLLM would not rewind it."""
-        if not self._unconfirmed_hashes or num_computed_tokens < self.block_size:
+        if not self._unconfirmed or num_computed_tokens < self.block_size:
             return False
         hit = vllm_block_hashes.prefix_hashes(request, 0, num_computed_tokens // self.block_size)
-        return any(h in self._unconfirmed_hashes for h in hit)
+        return any(not hashes.isdisjoint(hit) for hashes, _, _ in self._unconfirmed.values())
 
     def confirmed(self, seqs) -> None:
         """The worker ran these loads (a failure came in the same output, handled first)."""
         for seq in seqs:
             self._unconfirmed.pop(seq, None)
-        self._rehash()
 
     def age_unconfirmed(self) -> None:
         """One more step scheduled. A load never confirmed (its report lost) holds no request
@@ -185,10 +182,6 @@ class LoadWatch:
             del self._unconfirmed[seq]
             vllm_block_hashes.evict_cached(self.kv_cache_manager, blocks)
             self.stats.add("unconfirmed_loads_uncached")
-        self._rehash()
-
-    def _rehash(self) -> None:
-        self._unconfirmed_hashes = set().union(*(h for h, _, _ in self._unconfirmed.values()))
 
     def finished(self, state: RequestState) -> None:
         if state.loaded_blocks is not None:
