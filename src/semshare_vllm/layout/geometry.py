@@ -93,6 +93,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     dtype = getattr(spec, "dtype", torch.float32)
     declined, exact_only = kv_quantisation(vllm_config, spec)
     reason = reason or declined
+    identity = kv_identity(vllm_config)
     fp = fingerprint(
         str(vllm_config.model_config.model),
         str(dtype),
@@ -101,7 +102,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         head_size,
         spec.block_size,
         parallel.tensor_parallel_size,
-        extra=kv_identity(vllm_config),
+        extra=identity,
     )
     return KVGeometry(
         layer_names,
@@ -113,7 +114,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         fp,
         reason,
         exact_only,
-        unidentified_weights(vllm_config.model_config, getattr(vllm_config, "load_config", None)),
+        unidentified_weights(identity, vllm_config.model_config),
     )
 
 
@@ -209,23 +210,22 @@ def weights_identity(model_config, load_config=None) -> dict:
     return {"hub": model, "commit": commit, "revision": None if commit else revision}
 
 
-def unidentified_weights(model_config, load_config=None) -> str | None:
-    """Why nothing here tells these weights from other weights under the same name, or None.
-    Then a fingerprint cannot key them, and their donors must stay in this process."""
-    load_format = str(getattr(load_config, "load_format", "auto") or "auto").lower()
-    if load_format == "dummy":
+def unidentified_weights(identity: dict, model_config) -> str | None:
+    """Why ``identity`` (``kv_identity``'s) tells these weights from no other weights under the
+    same name, or None. Then a fingerprint cannot key them: their donors stay in this process."""
+    if identity["load_format"] == "dummy":
         return "load_format 'dummy' computes with random weights"
     model = str(getattr(model_config, "model", ""))
     streamed = str(getattr(model_config, "model_weights", "") or "")
     if streamed and streamed != model:
         return f"the weights are streamed from {streamed}, whose version is not known here"
-    if os.path.exists(model):
-        path = Path(model)
-        if path.is_dir() and not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir()):
+    weights = identity["weights"]
+    if "local" in weights:
+        names = [name for name, _, _ in weights["local"]["files"]]
+        if os.path.isdir(model) and not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
             return f"no weight files in {model}"
         return None
-    cache_dir = getattr(load_config, "download_dir", None)
-    if hub_snapshot(model, getattr(model_config, "revision", None), cache_dir) is None:
+    if weights["commit"] is None:
         return f"{model} is neither a local path nor a hub snapshot in the cache vLLM reads"
     return None
 
@@ -256,7 +256,7 @@ def kv_identity(vllm_config) -> dict:
         {
             "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
             "load_format": str(
-                getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
+                getattr(getattr(vllm_config, "load_config", None), "load_format", "auto") or "auto"
             ).lower(),
             "max_model_len": getattr(mc, "max_model_len", None),
             "code_revision": getattr(mc, "code_revision", None),  # a hub model's remote code
