@@ -215,7 +215,9 @@ class TokenPaced(BagOfTokens):
         return super().embed(text)
 
 
-def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
+def paced_with_donor():
+    """A scheduler embedding at 1 ms a token (1 s deadline) and one embedded donor; no lookup
+    has measured the rate yet (donors' embeddings do not count)."""
     s, emb = scheduler(
         TokenPaced(),
         min_shared_grams=0.05,
@@ -224,7 +226,12 @@ def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
     )
     finish(s, DOC)
     settle(s)
-    assert s.discovery.embed_speed.ms_per_token is None  # donors' embeddings do not count
+    assert s.discovery.embed_speed.ms_per_token is None
+    return s, emb
+
+
+def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
+    s, emb = paced_with_donor()
     calls = emb.calls
     # holds a fifth of the donor's grams: nothing measured yet, so its first 256 tokens are
     # (256 ms), and then all of it (300 ms, within what is left of the deadline)
@@ -257,15 +264,7 @@ def test_a_long_prompt_is_not_embedded_blind_before_the_rate_is_known():
     the lookup embedded all of it on the lookup thread, past its deadline, and lookups queued
     behind it waited too (4K bench, 2026-11-28: the rag-qa donor's lookup and a later target's
     ran out their 200 ms). Now the rate is measured on the prompt's first tokens first."""
-    s, emb = scheduler(
-        TokenPaced(),
-        min_shared_grams=0.05,
-        gram_match_share=GRAM_MATCH_SHARE,
-        lookup_deadline_ms=1000,
-    )
-    finish(s, DOC)
-    settle(s)
-    assert s.discovery.embed_speed.ms_per_token is None
+    s, emb = paced_with_donor()
     calls = emb.calls
     long = request("b", list(range(6000, 7350)) + DOC[:150])  # 1.5 s to embed whole
     s.on_new_request(long)
