@@ -337,13 +337,17 @@ class SemShareScheduler:
             # their blocks leave vLLM's prefix cache below: nothing left to wait for
             running = {spec.seq for spec in loads}
             self.load_watch.confirmed(s.seq for s in self._loads if s.seq not in running)
-        self.load_watch.age_unconfirmed()
+        self._age_unconfirmed()
         for failed in self._failed_loads + held:
             vllm_block_hashes.evict_cached(
                 self.load_watch.kv_cache_manager,
                 failed.block_ids[failed.start // self.geometry.block_size :],
             )
         return loads, held
+
+    @guarded("ageing unconfirmed loads")
+    def _age_unconfirmed(self) -> None:
+        self.load_watch.age_unconfirmed()  # (it evicts from vLLM's cache: never into schedule())
 
     @guarded("the step's prefix check")
     def _split_loads(self, scheduler_output):

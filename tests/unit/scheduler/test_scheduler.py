@@ -408,3 +408,14 @@ def test_semantic_claims_are_refused_under_tensor_parallelism_unless_allowed(cap
     allowed = SemShareConfig(tp_semantic_reuse=True)
     assert SemShareScheduler(allowed, geometry(tp_size=2), FakeDiscovery()).search is not None
     assert SemShareScheduler(SemShareConfig(), geometry(), FakeDiscovery()).search is not None
+
+
+def test_a_fault_ageing_unconfirmed_loads_never_reaches_vllms_schedule(monkeypatch):
+    s = SemShareScheduler(SemShareConfig(), geometry())
+
+    def broken():
+        raise RuntimeError("evict_blocks failed")
+
+    monkeypatch.setattr(s.load_watch, "age_unconfirmed", broken)
+    assert s.build_connector_meta(None).loads == []
+    assert s.stats.totals["fallbacks"] == 1
