@@ -169,6 +169,10 @@ class SemShareConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_prefix_cache(reset_connector=True), which its pause and sleep call
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)

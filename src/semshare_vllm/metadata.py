@@ -119,6 +119,12 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
     # prompt again from position 0, so the rows the runner holds are forgotten before that
     # step's forward (``vllm_compat.prompt_logprobs.restart_rows``).
     restart_logprob_rows: list[str] = field(default_factory=list)
+    # vLLM reset the connector (``reset_prefix_cache(reset_connector=True)``: its pause and
+    # sleep, around weight updates): after this step's evictions, the worker drops every donor
+    # it holds and every capture in flight, frees the blocks of this step's captures without
+    # keeping them (their KV was computed before the reset), and persists and shares nothing
+    # from then on.
+    reset: bool = False
 
 
 @dataclass

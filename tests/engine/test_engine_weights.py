@@ -97,3 +97,66 @@ def test_donors_of_random_weights_are_never_persisted(tmp_path):
     assert real["restored"] == 0 and real["scheduler"].get("hit_tokens", 0) == 0
     cold = offline.reference_outputs(str(model), [b], MAX_TOKENS)[0]
     assert real["out"]["token_ids"] == cold["token_ids"]
+
+
+def replace_weights(worker) -> None:
+    """In the worker (``LLM.collective_rpc``): other random weights copied into the loaded
+    model's matrices, in place, as a training loop's weight sync does between rollouts."""
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in worker.model_runner.model.parameters():
+            if p.dim() == 2:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.08).to(p.dtype))
+
+
+def test_a_connector_reset_drops_the_donors_of_the_weights_before_it(tmp_path):
+    """Reinforcement-learning loops update an engine's weights in place and then reset its
+    caches: vLLM's ``reset_prefix_cache(reset_connector=True)``, which its ``pause`` and
+    ``sleep`` call. A donor computed before the reset would be served over the new weights:
+    wrong KV, no error: on main, b was served 224 tokens of a's donor and its 8 tokens were not
+    the new weights' cold ones. After the reset nothing of before is served, nothing is
+    persisted from then on (the files no longer name the weights), and the answer is the new
+    weights' cold one, with prefix caching on."""
+    from semshare_vllm.testbed.offline import greedy, semshare_llm
+
+    model, a, b, filler = model_and_prompts(tmp_path)
+    persist = tmp_path / "donors"
+    llm = semshare_llm(
+        str(model),
+        {"host_store_bytes": "64MiB", "persist_dir": str(persist), "lookup_deadline_ms": 20000},
+        enable_prefix_caching=True,
+    )
+    sched, worker = offline.connector_halves(llm)
+
+    def gen(prompt, kv=None, salt=None):
+        request = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        params = greedy(MAX_TOKENS, logprobs=None, kv_transfer_params=kv)
+        return list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    try:
+        gen(a)
+        gen(filler, kv={"semshare": "off"})  # the step that captures a
+        worker.flush_captures()
+        assert worker.stats.totals.get("captured_donors", 0) >= 1
+        files = {p.name for p in persist.rglob("*.safetensors")}
+        assert files
+
+        llm.collective_rpc(replace_weights)
+        assert llm.reset_prefix_cache(reset_connector=True)
+        hits = sched.stats.totals.get("hit_tokens", 0)
+        served = gen(b)
+        assert sched.stats.totals.get("hit_tokens", 0) == hits  # nothing of before served
+        cold = gen(b, kv={"semshare": "off"}, salt="cold")  # the new weights' own answer
+        assert served == cold
+        # b itself is kept, for this process only: served again, never persisted
+        gen(filler, kv={"semshare": "off"})
+        worker.flush_captures()
+        assert llm.reset_prefix_cache()  # vLLM's copy of b gone: only ours is left
+        assert gen(b) == cold and sched.stats.totals.get("hit_tokens", 0) > hits
+        assert not list(persist.rglob("*.safetensors"))  # a's file went with the reset
+    finally:
+        offline.drop_connector()  # vLLM keeps the worker half in a global

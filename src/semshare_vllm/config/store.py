@@ -32,7 +32,8 @@ class StoreConfig(Section):
         "code, load format, dtypes, RoPE, max_model_len, block size, parallel layout, vLLM "
         "version); an engine whose weights cannot be told from others (load_format 'dummy', "
         "weights streamed from a URL, a hub id with no snapshot in vLLM's cache) persists and "
-        "shares nothing, with one warning.",
+        "shares nothing, with one warning; so does an engine after vLLM reset its connector "
+        "(its pause and sleep do, around weight updates), which also deletes the files.",
     )
     capture: bool = knob(True, "Capture the KV of finished requests as donors.")
     min_donor_tokens: int = knob(

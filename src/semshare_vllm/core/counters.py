@@ -18,6 +18,8 @@ COUNTERS: dict[str, str] = {
     "donors_restored": "donors found again in persist_dir at start-up",
     "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
     "persisted_incomplete": "partial donor files a killed writer left, removed at start-up",
+    "connector_resets": "vLLM's reset_prefix_cache(reset_connector=True) (its pause and sleep, "
+    "around weight updates): every donor dropped, and nothing persisted or shared after",
     "fallbacks": "lookups or captures abandoned because of a connector fault",
     "semantic_lookups": "requests whose semantic donor search was started",
     "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",

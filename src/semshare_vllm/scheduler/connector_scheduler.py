@@ -119,6 +119,7 @@ class SemShareScheduler:
         self._failed_loads: list[FailedLoad] = []
         self._captures: list[CaptureSpec] = []
         self._capturing: set[str] = set()  # finished requests whose blocks we hold
+        self._reset = False  # vLLM reset the connector: the worker drops everything next step
         root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
             None
@@ -310,8 +311,10 @@ class SemShareScheduler:
             loads=loads,
             failed_loads=self._failed_loads + held,
             restart_logprob_rows=self.load_watch.take_logprob_restarts(),
+            reset=self._reset,
         )
         self._captures, self._loads, self._failed_loads = [], [], []
+        self._reset = False
         # Backstop: the last output's provenance is settled (vLLM asked for stats after it),
         # and nothing may write into a dict vLLM has sent.
         self.provenance.settle()
@@ -401,6 +404,38 @@ class SemShareScheduler:
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._capturing)
+
+    # ---- vLLM resets the connector ------------------------------------------------------------
+    @guarded("the connector reset", True, on_fault="_reset_failed")
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: what its pause and sleep call,
+        and reinforcement-learning loops around a weight update. No donor of before may serve
+        again: every one is forgotten here, and the worker drops its copies at its next step
+        (persisted files and captures in flight included). From now on this process persists
+        and shares nothing (``KVGeometry.local_only``): its weights may no longer be those its
+        files name. True: vLLM may count the reset done."""
+        self._reset = True  # first: whatever fails below, the worker drops everything
+        dropped = self.catalog.clear()
+        self.snapshots = None
+        self.sharing.stop()
+        self.geometry = replace(
+            self.geometry,
+            local_only="vLLM reset the connector (it does so around weight updates): the "
+            "weights may no longer be those the model's files name",
+        )
+        self.stats.add("connector_resets")
+        logger.warning(
+            "SemShare: connector reset by vLLM: %d donors dropped; from now on donors stay in "
+            "this process (persist_dir, the shared index and LMCache are off)",
+            dropped,
+        )
+        return True
+
+    def _reset_failed(self) -> None:
+        """A fault in the reset: the connector claims and captures nothing any more (each
+        checks ``unsupported``), so no donor of before can serve."""
+        self._reset = True
+        self.geometry = replace(self.geometry, unsupported="a connector reset failed")
 
     # ---- what the worker reported -------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:

@@ -33,6 +33,14 @@ class DonorCatalog:
             self.stats.add("donors_evicted", len(keys))
             self.changed = True
 
+    def clear(self) -> int:
+        """Forget every donor (the worker drops them all, files included); how many."""
+        keys = [record.key for record in self.index.records()]
+        for key in keys:
+            self.index.remove(key)
+        self.evict(keys)
+        return len(keys)
+
     def drop_bad(self, key: DonorKey) -> None:
         """A donor the worker found unusable: forgotten here, dropped there."""
         if self.index.remove(key) is not None:

@@ -63,6 +63,12 @@ class DonorSharing:
 
         search.embed_donor(record, with_embedding)
 
+    def stop(self) -> None:
+        """Neither publish nor take shared donors any more (a connector reset)."""
+        feed, self.feed = self.feed, None
+        if feed is not None:
+            feed.close()
+
     def absorb(self) -> None:
         """Add the donors other instances announced (on the scheduler thread, which owns the
         catalog)."""

@@ -181,6 +181,15 @@ class HostKVStore(DonorKVStore):
         if self._disk_q is not None:
             self._disk_q.put(("delete", key, None, None))
 
+    def clear(self) -> None:
+        """A connector reset: forget every donor, in memory and on disk, and persist nothing
+        from now on (nor read back what others left: ``_path`` is None)."""
+        self._writing.clear()
+        for key in list(self._donors):
+            self.drop(key)
+        self.close()  # after the queued writes and deletes
+        self.persist_root = None
+
     def drop_memory(self, key: DonorKey) -> None:
         """Free the donor's pool blocks only; a persisted file stays and is read back on use."""
         if key in self._donors:

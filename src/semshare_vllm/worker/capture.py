@@ -142,5 +142,17 @@ class Captures:
         for key in list(self.jobs):
             self.settle(key)
 
+    def drop_all(self) -> None:
+        """A connector reset: every capture in flight ends here, its blocks freed and nothing
+        kept (the caller clears the store)."""
+        for job in self.jobs.values():
+            if job.copy is not None:  # it writes into pool blocks: wait until it is done
+                try:
+                    job.copy.result()
+                except Exception:
+                    pass  # its blocks are freed all the same
+            self.report.finished_sending.add(job.spec.req_id)
+        self.jobs.clear()
+
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -88,7 +88,9 @@ class SemShareWorker:
             self._restart_logprobs(req_id)
         for key in meta.evictions:
             self._evict(key)
-        for spec in meta.captures:
+        if meta.reset:
+            self._reset(meta.captures)
+        for spec in [] if meta.reset else meta.captures:
             self._capture(spec)
         for spec in meta.loads:
             self._load(spec)
@@ -106,6 +108,31 @@ class SemShareWorker:
             if self.kv.tier is not None:
                 self.kv.tier.forget(key)
             self.kv.store.drop(key)
+
+    @guarded("resetting", on_fault="_reset_failed")
+    def _reset(self, captures: list[CaptureSpec]) -> None:
+        """vLLM reset the connector (``SemShareConnectorMetadata.reset``): no donor of before
+        serves again, from memory, disk or LMCache, and nothing is persisted or shared from now
+        on. ``captures``: this step's, of requests computed before the reset."""
+        for spec in captures:  # their blocks are freed, their KV kept nowhere
+            self.report.finished_sending.add(spec.req_id)
+        if self.kv is None:
+            return
+        self.captures.drop_all()
+        self.kv.store.clear()
+        tier, self.kv.tier = self.kv.tier, None
+        if tier is not None:
+            tier.close()
+
+    def _reset_failed(self, captures: list[CaptureSpec]) -> None:
+        """Off for good (the scheduler stops claiming at the next output): nothing of before
+        is served, and every block held for a capture is freed."""
+        held = [job.spec for job in self.captures.jobs.values()]
+        for spec in captures + held:
+            self.report.finished_sending.add(spec.req_id)
+        self.disabled = self.report.disabled = "a connector reset failed"
+        self.kv = None
+        self._assemble()
 
     @guarded("taking a capture", on_fault="_release")
     def _capture(self, spec: CaptureSpec) -> None:

@@ -322,3 +322,42 @@ def test_a_repair_over_blocks_a_load_failed_to_write_is_not_run(monkeypatch):
     assert w.get_block_ids_with_load_errors() == set()
     assert [r.req_id for r in w.build_worker_meta().repairs] == ["c"]
     w.shutdown()
+
+
+def test_a_reset_drops_every_donor_and_capture_and_persists_nothing_after(monkeypatch, tmp_path):
+    """``SemShareConnectorMetadata.reset`` (vLLM reset the connector, e.g. around a weight
+    update): the donors held, the capture in flight and the capture sent with the reset are all
+    dropped, their blocks freed; the donor files go and nothing is written after."""
+
+    def host_store(config, geometry, layout, cache, rank):
+        return HostKVStore(
+            1 << 20,
+            list(LAYERS),
+            tuple(cache.shape[1:]),
+            cache.dtype,
+            layout.name,
+            persist_root=tmp_path,
+            page_layout=layout,
+        )
+
+    views = {n: v[0] for n, v in caches().items()}
+    w = make_worker(monkeypatch, bound=views)
+    monkeypatch.setattr(setup, "make_store", host_store)
+    w.register_kv_caches(views)
+    kept = captured_donor(w)
+    w.kv.store.flush()
+    assert kept in w.kv.store and list(tmp_path.iterdir())
+
+    flying = DonorKey("", "e")  # captured, its copy started, not reaped
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("e", flying, list(range(30)), [3])])
+    )
+    w.start_captures()
+    late = CaptureSpec("f", DonorKey("", "f"), list(range(30)), [4])  # sent with the reset
+    w.start_load_kv(SemShareConnectorMetadata(captures=[late], reset=True))
+    assert w.get_finished({"f"}) == ({"e", "f"}, None)  # every held block freed
+    assert not w.captures.jobs and w.kv.store.used_bytes == 0
+    assert not list(tmp_path.iterdir()) and w.kv.store.persist_root is None
+    assert w.disabled is None  # it goes on: a donor captured now is kept, in memory only
+    again = captured_donor(w)
+    assert again in w.kv.store and not list(tmp_path.iterdir())

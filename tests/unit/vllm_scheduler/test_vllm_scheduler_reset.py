@@ -1,0 +1,63 @@
+"""vLLM's ``reset_prefix_cache(reset_connector=True)``, which its pause and sleep call (and
+reinforcement-learning loops around a weight update), through vLLM's real scheduler: no donor
+of before is offered again, the worker is told to drop them all, and the connector goes on
+serving the donors captured after it."""
+
+from support.tokens import random_id_list as ids
+from support.vllm_engine_core import EngineCore, engine_config
+from vllm.v1.outputs import KVConnectorOutput
+
+
+def test_a_connector_reset_forgets_every_donor_and_the_next_ones_serve():
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 1)))
+    core.step()
+    core.capture(donor)
+    assert core.scheduler.reset_prefix_cache(reset_connector=True)
+    assert core.ours.stats.totals["connector_resets"] == 1
+
+    prompt = list(donor.prompt_token_ids[: 7 * bs + 3]) + ids(40, 2)
+    target = core.add(core.request(prompt))
+    out = core.step()
+    meta = out.kv_connector_metadata
+    assert meta.reset  # the worker drops its copies before anything else
+    assert not meta.loads and out.num_scheduled_tokens[target.request_id] == len(prompt)
+    assert core.ours.geometry.local_only  # nothing persisted or shared from now on
+    key = core.capture(target).key
+    assert not core.step().kv_connector_metadata.reset  # said once
+
+    core.scheduler.reset_prefix_cache()  # vLLM's own copy of target gone: only ours is left
+    again = core.add(core.request(prompt[: 6 * bs] + ids(20, 3)))
+    out = core.step()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.key == key and load.num_tokens == 6 * bs
+    core.run_to_end(again)
+    core.connector.shutdown()
+
+
+def test_a_capture_pending_at_a_reset_frees_its_blocks_and_keeps_nothing():
+    """A request finished just before the reset: vLLM holds its blocks for our capture (so its
+    own prefix-cache reset reports failure), the capture goes to the worker with the reset,
+    which frees the blocks and keeps nothing; the donor is never offered."""
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(6 * bs + 5, 4)))
+    core.run_to_end(donor)
+    assert core.connector.has_pending_block_frees()
+    assert not core.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM's blocks held
+    assert len(core.ours.index) == 0
+
+    out = core.step()
+    meta = out.kv_connector_metadata
+    assert meta.reset and [c.req_id for c in meta.captures] == [donor.request_id]
+    core.step(KVConnectorOutput(finished_sending={donor.request_id}))
+    core.assert_empty()
+    assert core.scheduler.reset_prefix_cache()  # vLLM's own, now that its blocks are free
+
+    target = core.add(core.request(list(donor.prompt_token_ids) + ids(10, 5)))
+    out = core.step()
+    assert not out.kv_connector_metadata.loads
+    assert out.num_scheduled_tokens[target.request_id] == target.num_prompt_tokens
+    core.run_to_end(target)
+    core.connector.shutdown()
