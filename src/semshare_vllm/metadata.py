@@ -125,6 +125,10 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
     # keeping them (their KV was computed before the reset), and persists and shares nothing
     # from then on.
     reset: bool = False
+    # vLLM got back the blocks it held for captures (``vllm_compat.prefix_cache_reset``): the
+    # worker copies every capture, this step's and those in flight, before the step writes
+    # anything (its loads, its forward) into blocks that may now be another request's.
+    captures_released: bool = False
 
 
 @dataclass

@@ -111,14 +111,16 @@ def replace_weights(worker) -> None:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.08).to(p.dtype))
 
 
-def test_a_connector_reset_drops_the_donors_of_the_weights_before_it(tmp_path):
-    """Reinforcement-learning loops update an engine's weights in place and then reset its
-    caches: vLLM's ``reset_prefix_cache(reset_connector=True)``, which its ``pause`` and
-    ``sleep`` call. A donor computed before the reset would be served over the new weights:
-    wrong KV, no error: on main, b was served 224 tokens of a's donor and its 8 tokens were not
-    the new weights' cold ones. After the reset nothing of before is served, nothing is
-    persisted from then on (the files no longer name the weights), and the answer is the new
-    weights' cold one, with prefix caching on."""
+def test_a_pause_drops_the_donors_of_the_weights_before_it(tmp_path):
+    """Reinforcement-learning loops pause an engine (vLLM's ``pause_scheduler`` with
+    ``clear_cache``, which its ``sleep`` calls too), sync new weights into it, and resume. The
+    pause resets vLLM's prefix cache and the connector's (``reset_connector=True``).
+
+    On main: the connector ignored the reset, and b was served 224 tokens of a's donor (old
+    weights) over the new weights: 8 tokens that were not the new weights' cold ones. And an
+    in-process engine paused right after ``generate`` (its last request's blocks held for our
+    capture) raised in vLLM's reset. Now the pause succeeds, nothing of before is served, the
+    answer is the new weights' cold one (prefix caching on), and nothing is persisted after."""
     from semshare_vllm.testbed.offline import greedy, semshare_llm
 
     model, a, b, filler = model_and_prompts(tmp_path)
@@ -129,6 +131,7 @@ def test_a_connector_reset_drops_the_donors_of_the_weights_before_it(tmp_path):
         enable_prefix_caching=True,
     )
     sched, worker = offline.connector_halves(llm)
+    engine = llm.llm_engine.engine_core.engine_core  # in-process, as offline RL loops run it
 
     def gen(prompt, kv=None, salt=None):
         request = {"prompt_token_ids": prompt}
@@ -141,12 +144,14 @@ def test_a_connector_reset_drops_the_donors_of_the_weights_before_it(tmp_path):
         gen(a)
         gen(filler, kv={"semshare": "off"})  # the step that captures a
         worker.flush_captures()
-        assert worker.stats.totals.get("captured_donors", 0) >= 1
-        files = {p.name for p in persist.rglob("*.safetensors")}
-        assert files
+        assert list(persist.rglob("*.safetensors"))  # a, persisted
+        gen(filler)  # kept as a donor: its blocks are held for the capture when it returns
+        assert sched.has_pending_block_frees()
 
+        engine.pause_scheduler(mode="abort", clear_cache=True)
         llm.collective_rpc(replace_weights)
-        assert llm.reset_prefix_cache(reset_connector=True)
+        engine.resume_scheduler()
+        assert sched.stats.totals["connector_resets"] == 1
         hits = sched.stats.totals.get("hit_tokens", 0)
         served = gen(b)
         assert sched.stats.totals.get("hit_tokens", 0) == hits  # nothing of before served

@@ -58,7 +58,7 @@ from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
 from semshare_vllm.store.donor_file import persist_root
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
-from semshare_vllm.vllm_compat import prefix_cache_flags
+from semshare_vllm.vllm_compat import prefix_cache_flags, prefix_cache_reset
 from semshare_vllm.vllm_compat.prefill_stats import local_cache_hit
 
 logger = logging.getLogger("vllm.semshare.scheduler")
@@ -118,7 +118,9 @@ class SemShareScheduler:
         self._loads: list[LoadSpec] = []
         self._failed_loads: list[FailedLoad] = []
         self._captures: list[CaptureSpec] = []
-        self._capturing: set[str] = set()  # finished requests whose blocks we hold
+        # finished requests whose blocks vLLM keeps for our capture, until the worker says so
+        self._capturing: dict[str, object] = {}
+        self._released = False  # their blocks went back to vLLM (a reset of its prefix cache)
         self._reset = False  # vLLM reset the connector: the worker drops everything next step
         root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
@@ -312,9 +314,10 @@ class SemShareScheduler:
             failed_loads=self._failed_loads + held,
             restart_logprob_rows=self.load_watch.take_logprob_restarts(),
             reset=self._reset,
+            captures_released=self._released,
         )
         self._captures, self._loads, self._failed_loads = [], [], []
-        self._reset = False
+        self._reset = self._released = False
         # Backstop: the last output's provenance is settled (vLLM asked for stats after it),
         # and nothing may write into a dict vLLM has sent.
         self.provenance.settle()
@@ -382,9 +385,11 @@ class SemShareScheduler:
         state.drop_job()
         self.load_watch.finished(state)
         params = self._provenance(request, state)
-        if state.approximate or state.load_failed:
+        if state.approximate or state.load_failed or self._reset:
             # Approximate KV never becomes a donor (error must not compound), nor does a request
-            # whose load failed (vLLM may not have recomputed the blocks before it ended).
+            # whose load failed (vLLM may not have recomputed the blocks before it ended), nor
+            # one finished while a connector reset waits for the next step (its KV may predate
+            # the reset, and the worker drops that step's captures).
             return False, params
         made = donor_for(request, block_ids, self.index, self.config, self.geometry)
         if made is None:
@@ -394,7 +399,7 @@ class SemShareScheduler:
             return False, params
         self.sharing.announce(record)
         self._captures.append(capture)
-        self._capturing.add(request.request_id)
+        self._capturing[request.request_id] = request
         self.stats.add("donors_registered")
         return True, params  # vLLM keeps its blocks until the worker copied them
 
@@ -440,10 +445,22 @@ class SemShareScheduler:
     # ---- what the worker reported -------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self.load_watch.kv_cache_manager = kv_cache_manager  # failed blocks leave its cache
+        prefix_cache_reset.before_reset(kv_cache_manager, self._release_capture_blocks)
+
+    @guarded("giving back the blocks held for captures")
+    def _release_capture_blocks(self) -> None:
+        """vLLM is about to reset its prefix cache, which it refuses (its pause and sleep
+        raise) while any block is in use: the blocks it keeps for our captures go back now. The
+        worker copies those captures at its next step before that step writes anything (or
+        drops them, if the connector is reset too); vLLM forgets the requests on its report."""
+        kv_cache_manager = self.load_watch.kv_cache_manager
+        for request in self._capturing.values():
+            prefix_cache_reset.release_blocks(kv_cache_manager, request)
+        self._released = self._released or bool(self._capturing)
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
-            self._capturing.discard(req_id)
+            self._capturing.pop(req_id, None)
         self.load_watch.on_output(
             getattr(connector_output, "invalid_block_ids", None), self.requests
         )

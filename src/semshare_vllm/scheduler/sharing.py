@@ -67,7 +67,7 @@ class DonorSharing:
         """Neither publish nor take shared donors any more (a connector reset)."""
         feed, self.feed = self.feed, None
         if feed is not None:
-            feed.close()
+            feed.close(timeout_s=1.0)  # (on the engine-core thread: never wait long)
 
     def absorb(self) -> None:
         """Add the donors other instances announced (on the scheduler thread, which owns the

@@ -86,12 +86,15 @@ class SemShareWorker:
         self.report.loads_done.extend(spec.seq for spec in meta.loads)
         for req_id in meta.restart_logprob_rows:
             self._restart_logprobs(req_id)
-        for key in meta.evictions:
-            self._evict(key)
         if meta.reset:
-            self._reset(meta.captures)
-        for spec in [] if meta.reset else meta.captures:
-            self._capture(spec)
+            self._reset(meta)
+        else:
+            for key in meta.evictions:
+                self._evict(key)
+            for spec in meta.captures:
+                self._capture(spec)
+            if meta.captures_released:
+                self._copy_captures_now()
         for spec in meta.loads:
             self._load(spec)
         for failed in meta.failed_loads:
@@ -110,29 +113,47 @@ class SemShareWorker:
             self.kv.store.drop(key)
 
     @guarded("resetting", on_fault="_reset_failed")
-    def _reset(self, captures: list[CaptureSpec]) -> None:
+    def _reset(self, meta: SemShareConnectorMetadata) -> None:
         """vLLM reset the connector (``SemShareConnectorMetadata.reset``): no donor of before
         serves again, from memory, disk or LMCache, and nothing is persisted or shared from now
-        on. ``captures``: this step's, of requests computed before the reset."""
-        for spec in captures:  # their blocks are freed, their KV kept nowhere
+        on. The step's captures are of requests computed before the reset, and its evictions
+        every donor the scheduler knew."""
+        for spec in meta.captures:  # their blocks are freed, their KV kept nowhere
             self.report.finished_sending.add(spec.req_id)
         if self.kv is None:
             return
-        self.captures.drop_all()
+        self.captures.drop_all()  # nothing of them reaches the store's disk or LMCache
+        for key in meta.evictions:  # in memory or only on disk
+            self.kv.store.drop(key)
         self.kv.store.clear()
         tier, self.kv.tier = self.kv.tier, None
         if tier is not None:
-            tier.close()
+            tier.close(cancel=True)  # puts not started are never made
 
-    def _reset_failed(self, captures: list[CaptureSpec]) -> None:
+    def _reset_failed(self, meta: SemShareConnectorMetadata) -> None:
         """Off for good (the scheduler stops claiming at the next output): nothing of before
         is served, and every block held for a capture is freed."""
         held = [job.spec for job in self.captures.jobs.values()]
-        for spec in captures + held:
+        for spec in meta.captures + held:
             self.report.finished_sending.add(spec.req_id)
         self.disabled = self.report.disabled = "a connector reset failed"
         self.kv = None
         self._assemble()
+
+    @guarded("copying captures whose blocks vLLM got back", on_fault="_drop_captures")
+    def _copy_captures_now(self) -> None:
+        """vLLM got back the blocks of the captures in flight (a reset of its prefix cache):
+        they are copied before this step's loads and forward write into them."""
+        self.captures.flush()
+
+    def _drop_captures(self) -> None:
+        """Their blocks freed, nothing kept, and the scheduler forgets them."""
+        keys = list(self.captures.jobs)
+        self.captures.drop_all()
+        self.report.bad_donors.extend(keys)
+        if self.kv is not None:
+            for key in keys:
+                self.kv.store.abort_write(key)
 
     @guarded("taking a capture", on_fault="_release")
     def _capture(self, spec: CaptureSpec) -> None:

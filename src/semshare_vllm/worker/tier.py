@@ -154,8 +154,9 @@ class Tier:
         for future in list(self._puts):
             future.result()
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
+    def close(self, cancel: bool = False) -> None:
+        """``cancel``: puts not started yet are never made (a connector reset)."""
+        self._thread.shutdown(wait=True, cancel_futures=cancel)
         self.store.close()
         if self.ready_marks is not None:
             self.ready_marks.close()

@@ -36,28 +36,59 @@ def test_a_connector_reset_forgets_every_donor_and_the_next_ones_serve():
     core.connector.shutdown()
 
 
-def test_a_capture_pending_at_a_reset_frees_its_blocks_and_keeps_nothing():
-    """A request finished just before the reset: vLLM holds its blocks for our capture (so its
-    own prefix-cache reset reports failure), the capture goes to the worker with the reset,
-    which frees the blocks and keeps nothing; the donor is never offered."""
+def test_a_pause_with_a_capture_pending_resets_both_caches():
+    """vLLM's pause and sleep (``_reset_caches``) reset its prefix cache with
+    ``reset_running_requests``, and raise where a block is still in use: an in-process engine
+    (offline ``LLM``) pauses right after ``generate`` returned, while the blocks of its last
+    request are held for our capture. On main this raised, and neither cache was reset. The
+    blocks are given back first; the worker then drops the capture with everything else."""
     core = EngineCore(engine_config(prefix_caching=True))
     bs = core.block_size
-    donor = core.add(core.request(ids(6 * bs + 5, 4)))
+    donor = core.add(core.request(ids(6 * bs + 5, 9)))
     core.run_to_end(donor)
     assert core.connector.has_pending_block_frees()
-    assert not core.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM's blocks held
-    assert len(core.ours.index) == 0
+    assert core.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert core.free_blocks() == core.num_blocks - 1  # vLLM's reset found every block free
 
     out = core.step()
     meta = out.kv_connector_metadata
-    assert meta.reset and [c.req_id for c in meta.captures] == [donor.request_id]
-    core.step(KVConnectorOutput(finished_sending={donor.request_id}))
+    assert meta.reset and meta.captures_released
+    assert [c.req_id for c in meta.captures] == [donor.request_id]
+    core.step(KVConnectorOutput(finished_sending={donor.request_id}))  # freed twice: no-op
     core.assert_empty()
-    assert core.scheduler.reset_prefix_cache()  # vLLM's own, now that its blocks are free
+    assert len(core.ours.index) == 0
 
     target = core.add(core.request(list(donor.prompt_token_ids) + ids(10, 5)))
     out = core.step()
     assert not out.kv_connector_metadata.loads
     assert out.num_scheduled_tokens[target.request_id] == target.num_prompt_tokens
+    core.run_to_end(target)
+    core.connector.shutdown()
+
+
+def test_a_plain_reset_with_a_capture_pending_succeeds_and_the_donor_is_kept():
+    """``reset_prefix_cache()`` alone (vLLM's cache only, as benchmarks and training loops call
+    it) right after a request finished: on main it failed (our capture held blocks), so vLLM's
+    own cache kept its blocks. Now it succeeds; the worker copies the donor before the step
+    writes anything into the blocks given back, and the donor serves as before."""
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(6 * bs + 5, 10)))
+    core.run_to_end(donor)
+    assert core.scheduler.reset_prefix_cache()
+    assert core.free_blocks() == core.num_blocks - 1
+
+    out = core.step()
+    meta = out.kv_connector_metadata
+    assert not meta.reset and meta.captures_released
+    (spec,) = meta.captures
+    core.step(KVConnectorOutput(finished_sending={donor.request_id}))
+    core.assert_empty()
+
+    target = core.add(core.request(list(donor.prompt_token_ids) + ids(10, 11)))
+    out = core.step()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.key == spec.key and load.num_tokens == 6 * bs
+    assert not out.kv_connector_metadata.captures_released  # said once
     core.run_to_end(target)
     core.connector.shutdown()

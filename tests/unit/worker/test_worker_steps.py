@@ -354,10 +354,39 @@ def test_a_reset_drops_every_donor_and_capture_and_persists_nothing_after(monkey
     )
     w.start_captures()
     late = CaptureSpec("f", DonorKey("", "f"), list(range(30)), [4])  # sent with the reset
-    w.start_load_kv(SemShareConnectorMetadata(captures=[late], reset=True))
+    # as the scheduler sends it: every donor it knew evicted, with the reset
+    evictions = [kept, flying]
+    w.start_load_kv(SemShareConnectorMetadata(evictions, captures=[late], reset=True))
     assert w.get_finished({"f"}) == ({"e", "f"}, None)  # every held block freed
     assert not w.captures.jobs and w.kv.store.used_bytes == 0
     assert not list(tmp_path.iterdir()) and w.kv.store.persist_root is None
     assert w.disabled is None  # it goes on: a donor captured now is kept, in memory only
     again = captured_donor(w)
     assert again in w.kv.store and not list(tmp_path.iterdir())
+
+
+def test_captures_whose_blocks_vllm_got_back_are_copied_before_the_step_writes(monkeypatch):
+    """vLLM reset its prefix cache and got back the blocks of a capture not yet copied
+    (``captures_released``): the next step may load into them. The capture is copied first, so
+    the donor holds the request's KV, not what the load wrote."""
+    w = registered_worker(monkeypatch)
+    other = DonorKey("", "o")  # a donor in blocks 5 and 6, to load from
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("o", other, list(range(40)), [5, 6])])
+    )
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"o"})
+    before = [cache[[1, 2]].clone() for cache in w.kv.caches]
+    key = DonorKey("", "x")  # taken, its copy not done when vLLM got its blocks 1 and 2 back
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("x", key, list(range(40)), [1, 2])])
+    )
+    into_its_blocks = LoadSpec("y", other, 0, 0, 40, [1, 2], seq=1)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[into_its_blocks], captures_released=True))
+    assert w.get_finished(set()) == ({"x"}, None)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("z", key, 0, 0, 40, [3, 4])]))
+    for cache, was in zip(w.kv.caches, before):  # [B, H, N, 2D]
+        got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
+        assert torch.equal(got, torch.cat([was[0], was[1]], dim=1)[:, :40])  # x's own KV
+        assert not torch.equal(cache[[1, 2]], was)  # the load did write its blocks
