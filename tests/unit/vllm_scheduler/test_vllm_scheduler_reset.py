@@ -92,3 +92,23 @@ def test_a_plain_reset_with_a_capture_pending_succeeds_and_the_donor_is_kept():
     assert not out.kv_connector_metadata.captures_released  # said once
     core.run_to_end(target)
     core.connector.shutdown()
+
+
+def test_a_request_finished_between_a_reset_and_its_step_is_no_donor():
+    """Its KV was computed before the reset, and the worker drops that step's captures: kept,
+    the scheduler would have offered a donor no worker holds (the reviewer's run)."""
+    from vllm.v1.request import RequestStatus
+
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    running = core.add(core.request(ids(6 * bs + 5, 12), max_tokens=20))
+    core.step()
+    core.step()
+    assert not core.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM: blocks in use
+    core.scheduler.finish_requests(running.request_id, RequestStatus.FINISHED_ABORTED)
+    assert core.finished[running.request_id][0] is False  # its blocks freed at once
+    assert len(core.ours.index) == 0
+    out = core.step()
+    assert out.kv_connector_metadata.reset and not out.kv_connector_metadata.captures
+    core.assert_empty()
+    core.connector.shutdown()
