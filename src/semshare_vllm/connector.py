@@ -177,6 +177,12 @@ class SemShareConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33 calls it before sleep unmaps the KV cache (its pause gave back the blocks
+        # held for captures): no capture may still be reading them
+        if self.worker is not None:
+            self.worker.wait_for_copies()
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, SemShareConnectorMetadata)

@@ -121,6 +121,7 @@ class SemShareScheduler:
         # finished requests whose blocks vLLM keeps for our capture, until the worker says so
         self._capturing: dict[str, object] = {}
         self._released = False  # their blocks went back to vLLM (a reset of its prefix cache)
+        self._given_back: set[str] = set()  # of those, whose blocks vLLM already has again
         self._reset = False  # vLLM reset the connector: the worker drops everything next step
         root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
@@ -408,7 +409,7 @@ class SemShareScheduler:
         return self.provenance.finished(request, state)
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self._capturing)
+        return bool(self._capturing.keys() - self._given_back)
 
     # ---- vLLM resets the connector ------------------------------------------------------------
     @guarded("the connector reset", True, on_fault="_reset_failed")
@@ -454,13 +455,16 @@ class SemShareScheduler:
         worker copies those captures at its next step before that step writes anything (or
         drops them, if the connector is reset too); vLLM forgets the requests on its report."""
         kv_cache_manager = self.load_watch.kv_cache_manager
-        for request in self._capturing.values():
-            prefix_cache_reset.release_blocks(kv_cache_manager, request)
+        # first: should a release below fail, those before it are copied before any write
         self._released = self._released or bool(self._capturing)
+        for req_id, request in self._capturing.items():
+            prefix_cache_reset.release_blocks(kv_cache_manager, request)
+            self._given_back.add(req_id)
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._capturing.pop(req_id, None)
+            self._given_back.discard(req_id)
         self.load_watch.on_output(
             getattr(connector_output, "invalid_block_ids", None), self.requests
         )

@@ -142,15 +142,20 @@ class Captures:
         for key in list(self.jobs):
             self.settle(key)
 
-    def drop_all(self) -> None:
-        """A connector reset: every capture in flight ends here, its blocks freed and nothing
-        kept (the caller clears the store)."""
+    def wait_copies(self) -> None:
+        """Wait for every copy started (its outcome is taken later, by ``reap``)."""
         for job in self.jobs.values():
-            if job.copy is not None:  # it writes into pool blocks: wait until it is done
+            if job.copy is not None:
                 try:
                     job.copy.result()
                 except Exception:
-                    pass  # its blocks are freed all the same
+                    pass  # reported when reaped
+
+    def drop_all(self) -> None:
+        """A connector reset: every capture in flight ends here, its blocks freed and nothing
+        kept (the caller clears the store)."""
+        self.wait_copies()  # they write into pool blocks
+        for job in self.jobs.values():
             self.report.finished_sending.add(job.spec.req_id)
         self.jobs.clear()
 

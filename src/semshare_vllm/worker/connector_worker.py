@@ -193,6 +193,12 @@ class SemShareWorker:
             self.kv.tier.reap()
         return self.report.take_worker_meta()
 
+    @guarded("waiting for capture copies")
+    def wait_for_copies(self) -> None:
+        """Before vLLM unmaps the KV cache (sleep): every capture copy running is done (what
+        becomes of them is decided at the next step, e.g. dropped by a connector reset)."""
+        self.captures.wait_copies()
+
     # ---- end ----------------------------------------------------------------------------------
     def flush_captures(self) -> None:
         """Wait for every capture in flight, and its tier put (tests, shutdown)."""

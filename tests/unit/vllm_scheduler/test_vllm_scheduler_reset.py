@@ -112,3 +112,36 @@ def test_a_request_finished_between_a_reset_and_its_step_is_no_donor():
     assert out.kv_connector_metadata.reset and not out.kv_connector_metadata.captures
     core.assert_empty()
     core.connector.shutdown()
+
+
+def test_blocks_given_back_are_copied_first_even_if_a_release_fails(monkeypatch):
+    """The reviewer's run: the second of two releases raised after the first request's blocks
+    had gone back, and the step went out without ``captures_released``. And blocks given back
+    are no frees vLLM should wait for (it would not preempt meanwhile)."""
+    from semshare_vllm.vllm_compat import prefix_cache_reset
+
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    first = core.add(core.request(ids(3 * bs + 5, 13)))
+    second = core.add(core.request(ids(3 * bs + 5, 14)))
+    core.run_to_end(first)
+    core.run_to_end(second)
+    release = prefix_cache_reset.release_blocks
+    calls = []
+
+    def flaky(manager, request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        release(manager, request)
+
+    monkeypatch.setattr(prefix_cache_reset, "release_blocks", flaky)
+    core.scheduler.reset_prefix_cache()  # vLLM's part fails: one request's blocks still held
+    out = core.step()
+    assert out.kv_connector_metadata.captures_released
+    monkeypatch.setattr(prefix_cache_reset, "release_blocks", release)
+    assert core.scheduler.reset_prefix_cache()
+    assert not core.connector.has_pending_block_frees()  # all given back, the report to come
+    core.step(KVConnectorOutput(finished_sending={first.request_id, second.request_id}))
+    core.assert_empty()
+    core.connector.shutdown()

@@ -390,3 +390,27 @@ def test_captures_whose_blocks_vllm_got_back_are_copied_before_the_step_writes(m
         got = torch.cat([cache[3], cache[4]], dim=1)[:, :40]
         assert torch.equal(got, torch.cat([was[0], was[1]], dim=1)[:, :40])  # x's own KV
         assert not torch.equal(cache[[1, 2]], was)  # the load did write its blocks
+
+
+def test_before_sleep_unmaps_the_kv_cache_no_capture_copy_is_running(monkeypatch):
+    """vLLM 0.33 calls the connector's ``unregister_kv_caches`` before sleep unmaps the KV cache:
+    a capture copy still reading it (the reviewer's reading of ``EngineCore.sleep``) is waited
+    for."""
+    import time
+
+    w = registered_worker(monkeypatch)
+    copy_out = w.captures._copy_out
+
+    def slow(job):
+        time.sleep(0.3)
+        return copy_out(job)
+
+    monkeypatch.setattr(w.captures, "_copy_out", slow)
+    key = DonorKey("", "s")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("s", key, list(range(40)), [1, 2])])
+    )
+    w.start_captures()
+    w.wait_for_copies()
+    assert w.captures.jobs[key].copy.done()
+    assert w.get_finished(set()) == ({"s"}, None) and key in w.kv.store
