@@ -14,7 +14,7 @@ from semshare_vllm.store.host_store import HostKVStore
 from semshare_vllm.worker import setup
 
 
-def registered_worker(monkeypatch):
+def registered_worker(monkeypatch, persist_root=None):
     def host_store(config, geometry, layout, cache, rank):
         return HostKVStore(
             1 << 20,
@@ -22,6 +22,7 @@ def registered_worker(monkeypatch):
             tuple(cache.shape[1:]),
             cache.dtype,
             layout.name,
+            persist_root=persist_root,
             page_layout=layout,
         )
 
@@ -328,22 +329,7 @@ def test_a_reset_drops_every_donor_and_capture_and_persists_nothing_after(monkey
     """``SemShareConnectorMetadata.reset`` (vLLM reset the connector, e.g. around a weight
     update): the donors held, the capture in flight and the capture sent with the reset are all
     dropped, their blocks freed; the donor files go and nothing is written after."""
-
-    def host_store(config, geometry, layout, cache, rank):
-        return HostKVStore(
-            1 << 20,
-            list(LAYERS),
-            tuple(cache.shape[1:]),
-            cache.dtype,
-            layout.name,
-            persist_root=tmp_path,
-            page_layout=layout,
-        )
-
-    views = {n: v[0] for n, v in caches().items()}
-    w = make_worker(monkeypatch, bound=views)
-    monkeypatch.setattr(setup, "make_store", host_store)
-    w.register_kv_caches(views)
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
     kept = captured_donor(w)
     w.kv.store.flush()
     assert kept in w.kv.store and list(tmp_path.iterdir())
