@@ -58,7 +58,7 @@ from semshare_vllm.scheduler.semantic_search import WAIT, SemanticSearch
 from semshare_vllm.scheduler.sharing import DonorSharing
 from semshare_vllm.store.donor_file import persist_root
 from semshare_vllm.vllm_compat import block_hashes as vllm_block_hashes
-from semshare_vllm.vllm_compat import prefix_cache_flags, prefix_cache_reset
+from semshare_vllm.vllm_compat import prefix_cache_flags, prefix_cache_reset, step_blocks
 from semshare_vllm.vllm_compat.prefill_stats import local_cache_hit
 
 logger = logging.getLogger("vllm.semshare.scheduler")
@@ -317,6 +317,10 @@ class SemShareScheduler:
             reset=self._reset,
             captures_released=self._released,
         )
+        if meta.reset or meta.captures_released or meta.restart_logprob_rows:
+            # before the forward: it may write into released blocks, and its prompt logprobs
+            # must come after the restart
+            step_blocks.start_before_forward(scheduler_output)
         self._captures, self._loads, self._failed_loads = [], [], []
         self._reset = self._released = False
         # Backstop: the last output's provenance is settled (vLLM asked for stats after it),

@@ -34,3 +34,11 @@ def blocks_filled_in_step(scheduler_output, kv_cache_manager, block_size: int) -
     for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
         add(req_id, kv_cache_manager.get_block_ids(req_id)[0], computed)
     return filled
+
+
+def start_before_forward(scheduler_output) -> None:
+    """Have the runners call the connector's ``start_load_kv`` before this step's forward.
+    vLLM's runners (0.32 and 0.33: the V1 mixin, the V2 ``post_forward``) call it after the
+    forward unless ``SchedulerOutput.has_sync_kv_loads`` is set, which vLLM sets only for steps
+    with connector loads; work of ours that must precede the forward sets it too."""
+    scheduler_output.has_sync_kv_loads = True

@@ -149,6 +149,8 @@ def test_a_scored_requests_failed_load_restarts_its_prompt_logprob_rows():
     out = core.step()
     assert out.num_scheduled_tokens[target.request_id] == len(prompt)
     assert out.kv_connector_metadata.restart_logprob_rows == [target.request_id]
+    # the restart before the forward: the V2 runner computes a chunk's prompt logprobs in it
+    assert out.has_sync_kv_loads
     assert core.step().kv_connector_metadata.restart_logprob_rows == []  # once
     core.run_to_end(target)
     core.connector.shutdown()

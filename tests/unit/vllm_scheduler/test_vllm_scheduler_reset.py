@@ -52,7 +52,7 @@ def test_a_pause_with_a_capture_pending_resets_both_caches():
 
     out = core.step()
     meta = out.kv_connector_metadata
-    assert meta.reset and meta.captures_released
+    assert meta.reset and meta.captures_released and out.has_sync_kv_loads
     assert [c.req_id for c in meta.captures] == [donor.request_id]
     core.step(KVConnectorOutput(finished_sending={donor.request_id}))  # freed twice: no-op
     core.assert_empty()
@@ -81,6 +81,10 @@ def test_a_plain_reset_with_a_capture_pending_succeeds_and_the_donor_is_kept():
     out = core.step()
     meta = out.kv_connector_metadata
     assert not meta.reset and meta.captures_released
+    # no load in the step, yet the worker must copy before the forward writes (vLLM's runners
+    # call start_load_kv after the forward unless this is set: the auditor's run served a donor
+    # whose blocks a new request's forward had overwritten)
+    assert out.has_sync_kv_loads
     (spec,) = meta.captures
     core.step(KVConnectorOutput(finished_sending={donor.request_id}))
     core.assert_empty()
