@@ -120,8 +120,9 @@ class SemShareScheduler:
         self._captures: list[CaptureSpec] = []
         # finished requests whose blocks vLLM keeps for our capture, until the worker says so
         self._capturing: dict[str, object] = {}
-        self._released = False  # their blocks went back to vLLM (a reset of its prefix cache)
-        self._given_back: set[str] = set()  # of those, whose blocks vLLM already has again
+        # of those, whose blocks went back to vLLM (a reset of its prefix cache): until the
+        # worker's report, each step copies captures before it writes (``captures_released``)
+        self._given_back: set[str] = set()
         self._reset = False  # vLLM reset the connector: the worker drops everything next step
         root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
@@ -315,14 +316,14 @@ class SemShareScheduler:
             failed_loads=self._failed_loads + held,
             restart_logprob_rows=self.load_watch.take_logprob_restarts(),
             reset=self._reset,
-            captures_released=self._released,
+            captures_released=bool(self._given_back),
         )
         if meta.reset or meta.captures_released or meta.restart_logprob_rows:
             # before the forward: it may write into released blocks, and its prompt logprobs
             # must come after the restart
             step_blocks.start_before_forward(scheduler_output)
         self._captures, self._loads, self._failed_loads = [], [], []
-        self._reset = self._released = False
+        self._reset = False
         # Backstop: the last output's provenance is settled (vLLM asked for stats after it),
         # and nothing may write into a dict vLLM has sent.
         self.provenance.settle()
@@ -444,7 +445,6 @@ class SemShareScheduler:
     def _reset_failed(self) -> None:
         """A fault in the reset: the connector claims and captures nothing any more (each
         checks ``unsupported``), so no donor of before can serve."""
-        self._reset = True
         self.geometry = replace(self.geometry, unsupported="a connector reset failed")
 
     # ---- what the worker reported -------------------------------------------------------------
@@ -459,11 +459,10 @@ class SemShareScheduler:
         worker copies those captures at its next step before that step writes anything (or
         drops them, if the connector is reset too); vLLM forgets the requests on its report."""
         kv_cache_manager = self.load_watch.kv_cache_manager
-        # first: should a release below fail, those before it are copied before any write
-        self._released = self._released or bool(self._capturing)
         for req_id, request in self._capturing.items():
-            prefix_cache_reset.release_blocks(kv_cache_manager, request)
+            # first: should the release fail, those before it are copied before any write
             self._given_back.add(req_id)
+            prefix_cache_reset.release_blocks(kv_cache_manager, request)
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
