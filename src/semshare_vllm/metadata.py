@@ -151,6 +151,9 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
     # ``LoadSpec.seq`` of every load this step ran, whatever came of it (a failure is in the
     # same output's invalid blocks): until then its blocks are no other request's prefix hit
     loads_done: list[int] = field(default_factory=list)
+    # the model's weights were updated in place: every donor of before must be forgotten (the
+    # worker dropped its copies) and a reset sent back. Any rank's report is every rank's.
+    weights_changed: bool = False
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, SemShareWorkerMetadata)
@@ -166,4 +169,5 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
             self.disabled or other.disabled,
             self.repairs + other.repairs,
             sorted(set(self.loads_done) | set(other.loads_done)),
+            self.weights_changed or other.weights_changed,
         )

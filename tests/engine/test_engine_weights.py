@@ -165,3 +165,129 @@ def test_a_pause_drops_the_donors_of_the_weights_before_it(tmp_path):
         assert not list(persist.rglob("*.safetensors"))  # a's file went with the reset
     finally:
         offline.drop_connector()  # vLLM keeps the worker half in a global
+
+
+def load_checkpoint(worker, path: str) -> None:
+    """In the worker (``LLM.collective_rpc``): a checkpoint's tensors through the model's own
+    ``load_weights``, as TRL's, OpenRLHF's and verl's weight syncs and vLLM's own weight
+    transfer engines load them. The embeddings only: vLLM's CPU build repacks the linear
+    layers' weights at load, which ``load_weights`` then cannot write (``reload_weights``
+    can)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    worker.model_runner.model.load_weights(
+        (name, t) for name, t in tensors.items() if "embed_tokens" in name
+    )
+
+
+@pytest.mark.parametrize("update", ["load_weights", "reload_weights"])
+def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update):
+    """A training loop's weight sync with no connector reset: new weights through the model's
+    ``load_weights`` (TRL's, OpenRLHF's, verl's syncs) or vLLM's ``reload_weights`` (from the
+    checkpoint rewritten on disk), then ``reset_prefix_cache()`` alone, as TRL calls it, which
+    resets vLLM's cache and not the connector's.
+
+    On main b was served from a's donor, computed with the old weights, and its answer was not
+    the new weights' cold answer. Now the worker sees the update, drops every donor of before
+    and tells the scheduler, which forgets them as a connector reset does."""
+    from semshare_vllm.testbed.offline import greedy, semshare_llm
+
+    model, a, b, filler = model_and_prompts(tmp_path)
+    new = tmp_path / "new"
+    shutil.copytree(model, new)
+    rewrite_weights(new)
+    persist = tmp_path / "donors"
+    llm = semshare_llm(
+        str(model),
+        {"host_store_bytes": "64MiB", "persist_dir": str(persist), "lookup_deadline_ms": 20000},
+        enable_prefix_caching=True,
+    )
+    sched, worker = offline.connector_halves(llm)
+
+    def gen(prompt, kv=None, salt=None):
+        request = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        params = greedy(MAX_TOKENS, logprobs=None, kv_transfer_params=kv)
+        return list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    try:
+        old = gen(b, kv={"semshare": "off"}, salt="old")  # the old weights' answer
+        gen(a)
+        gen(filler, kv={"semshare": "off"})  # the step that captures a
+        worker.flush_captures()
+        assert list(persist.rglob("*.safetensors"))  # a, persisted
+
+        if update == "load_weights":
+            llm.collective_rpc(load_checkpoint, args=(str(new / "model.safetensors"),))
+        else:
+            shutil.copy(new / "model.safetensors", model / "model.safetensors")
+            llm.collective_rpc("reload_weights")
+        assert llm.reset_prefix_cache()  # vLLM's cache only, as TRL resets it
+        loaded = worker.stats.totals.get("loaded_tokens", 0)
+        served = gen(b)
+        cold = gen(b, kv={"semshare": "off"}, salt="cold")  # the new weights' own answer
+        assert cold != old  # the weights did change
+        assert served == cold
+        # b's claim, made before the scheduler heard of the update, failed: nothing loaded
+        assert worker.stats.totals.get("loaded_tokens", 0) == loaded
+        assert worker.stats.totals["weight_updates"] == 1
+        assert sched.stats.totals["connector_resets"] == 1
+        assert sched.geometry.local_only
+        assert not list(persist.rglob("*.safetensors"))  # a's file gone too
+        # b was live when the scheduler heard (no donor); once more, it is kept, for this
+        # process only, and serves
+        assert gen(b) == cold
+        gen(filler, kv={"semshare": "off"})
+        worker.flush_captures()
+        assert llm.reset_prefix_cache()
+        assert gen(b) == cold and worker.stats.totals.get("loaded_tokens", 0) > loaded
+        assert not list(persist.rglob("*.safetensors"))
+    finally:
+        offline.drop_connector()
+
+
+def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path):
+    """The same through a real ``vllm serve`` (engine core and worker in their own processes,
+    prefix caching on): vLLM's ``reload_weights`` over its development RPC endpoint, after the
+    checkpoint was rewritten on disk, then ``/reset_prefix_cache`` alone. The worker process
+    sees the update; b's answer is the new weights' cold answer."""
+    import requests
+
+    from semshare_vllm.testbed.server import SEMSHARE, VllmServer
+    from semshare_vllm.testbed.text import wiki_document
+
+    model, _, _, _ = model_and_prompts(tmp_path)
+    new = tmp_path / "new"
+    shutil.copytree(model, new)
+    rewrite_weights(new)
+    persist = tmp_path / "donors"
+    cfg = dict(
+        SEMSHARE,
+        kv_connector_extra_config={"persist_dir": str(persist), "host_store_bytes": "256MiB"},
+    )
+    doc = wiki_document(300, 1500)
+    a, b = doc + "\n\nQuestion: What is the text above about? Answer:", doc + "\n\nSummarize it:"
+    args = ["--block-size", "32", "--max-num-seqs", "4"]
+    off = {"semshare": "off"}
+    with VllmServer(
+        model, cfg, args, tmp_path / "serve.log", prefix_caching=True, dev_mode=True
+    ) as srv:
+        old = srv.complete(b, MAX_TOKENS, cache_salt="old", kv_transfer_params=off).text
+        srv.complete(a, MAX_TOKENS)
+        srv.complete("ping " * 3, 1, kv_transfer_params=off)  # the step that captures a
+        srv.reset_prefix_cache()  # vLLM's copy of a gone: b is served from our donor
+        assert srv.complete(b, MAX_TOKENS).cached_tokens > 0  # (b itself is no donor: approximate)
+        srv.reset_prefix_cache()
+        shutil.copy(new / "model.safetensors", model / "model.safetensors")
+        resp = requests.post(
+            srv.url + "/collective_rpc", json={"method": "reload_weights"}, timeout=120
+        )
+        resp.raise_for_status()
+        srv.reset_prefix_cache()  # vLLM's cache only, as TRL resets it
+        served = srv.complete(b, MAX_TOKENS).text
+        cold = srv.complete(b, MAX_TOKENS, cache_salt="cold", kv_transfer_params=off).text
+        assert cold != old  # the weights did change
+        assert served == cold
+        assert "the model's weights were updated" in srv.log_text()

@@ -19,7 +19,8 @@ COUNTERS: dict[str, str] = {
     "persisted_skipped": "persisted donor files skipped as corrupt or foreign",
     "persisted_incomplete": "partial donor files a killed writer left, removed at start-up",
     "connector_resets": "vLLM's reset_prefix_cache(reset_connector=True) (its pause and sleep, "
-    "around weight updates): every donor dropped, and nothing persisted or shared after",
+    "around weight updates), or a weight update the worker saw: every donor dropped, and "
+    "nothing persisted or shared after",
     "fallbacks": "lookups or captures abandoned because of a connector fault",
     "semantic_lookups": "requests whose semantic donor search was started",
     "semantic_found": "searches that found a donor (cosine or SimHash) in the namespace",
@@ -65,6 +66,8 @@ COUNTERS: dict[str, str] = {
     "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",
+    "weight_updates": "steps that found the model's weights updated in place since the last "
+    "(reload_weights, update_weights, the model's load_weights): every donor of before dropped",
     "load_ms": "milliseconds spent loading donor KV",
     "tier_puts": "donors put in the LMCache tier (kv_tier), readable by other instances",
     "tier_put_failures": "donors the LMCache tier did not take (e.g. its backend unreachable)",

@@ -124,6 +124,7 @@ class SemShareScheduler:
         # worker's report, each step copies captures before it writes (``captures_released``)
         self._given_back: set[str] = set()
         self._reset = False  # vLLM reset the connector: the worker drops everything next step
+        self._epoch = 0  # resets so far (``RequestState.epoch``)
         root = persist_root(config.persist_dir, geometry)
         self.snapshots = (
             None
@@ -157,6 +158,7 @@ class SemShareScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             state = self.requests[request.request_id] = RequestState(request.request_id)
+            state.epoch = self._epoch
         return state
 
     # ---- a request arrives --------------------------------------------------------------------
@@ -391,11 +393,10 @@ class SemShareScheduler:
         state.drop_job()
         self.load_watch.finished(state)
         params = self._provenance(request, state)
-        if state.approximate or state.load_failed or self._reset:
+        if state.approximate or state.load_failed or state.epoch != self._epoch:
             # Approximate KV never becomes a donor (error must not compound), nor does a request
             # whose load failed (vLLM may not have recomputed the blocks before it ended), nor
-            # one finished while a connector reset waits for the next step (its KV may predate
-            # the reset, and the worker drops that step's captures).
+            # one that was live at a reset (its KV may predate the reset).
             return False, params
         made = donor_for(request, block_ids, self.index, self.config, self.geometry)
         if made is None:
@@ -420,27 +421,39 @@ class SemShareScheduler:
     @guarded("the connector reset", True, on_fault="_reset_failed")
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: what its pause and sleep call,
-        and reinforcement-learning loops around a weight update. No donor of before may serve
-        again: every one is forgotten here, and the worker drops its copies at its next step
-        (persisted files and captures in flight included). From now on this process persists
-        and shares nothing (``KVGeometry.local_only``): its weights may no longer be those its
-        files name. True: vLLM may count the reset done."""
+        and reinforcement-learning loops around a weight update. True: vLLM may count the
+        reset done."""
+        self._forget_every_donor("connector reset by vLLM")
+        return True
+
+    @guarded("the reset after a weight update", on_fault="_reset_failed")
+    def _weights_updated(self) -> None:
+        """The worker saw the model's weights updated in place (its report): a reset, whether
+        or not vLLM resets the connector too."""
+        self._forget_every_donor("the model's weights were updated")
+
+    def _forget_every_donor(self, why: str) -> None:
+        """No donor of before may serve again: every one is forgotten here, and the worker
+        drops its copies at its next step (persisted files and captures in flight included).
+        No request live now becomes a donor (its KV may predate the reset). From now on this
+        process persists and shares nothing (``KVGeometry.local_only``): its weights may no
+        longer be those its files name."""
         self._reset = True  # first: whatever fails below, the worker drops everything
+        self._epoch += 1
         dropped = self.catalog.clear()
         self.snapshots = None
         self.sharing.stop()
         self.geometry = replace(
             self.geometry,
-            local_only="vLLM reset the connector (it does so around weight updates): the "
-            "weights may no longer be those the model's files name",
+            local_only=f"{why}: the weights may no longer be those the model's files name",
         )
         self.stats.add("connector_resets")
         logger.warning(
-            "SemShare: connector reset by vLLM: %d donors dropped; from now on donors stay in "
-            "this process (persist_dir, the shared index and LMCache are off)",
+            "SemShare: %s: %d donors dropped; from now on donors stay in this process "
+            "(persist_dir, the shared index and LMCache are off)",
+            why,
             dropped,
         )
-        return True
 
     def _reset_failed(self) -> None:
         """A fault in the reset: the connector claims and captures nothing any more (each
@@ -484,6 +497,8 @@ class SemShareScheduler:
             logger.warning(
                 "SemShare disabled by the worker: %s; requests are computed as usual", meta.disabled
             )
+        if meta.weights_changed:
+            self._weights_updated()
         if meta.recompute_ready is not None:
             self.recompute_ready = meta.recompute_ready
         self.load_watch.confirmed(meta.loads_done)

@@ -83,6 +83,8 @@ class RequestState:
     # alignment (the scheduler's part of its time breakdown: ``provenance.py``)
     search_wait_ms: float = 0.0
     align_wait_ms: float = 0.0
+    # the connector resets before it arrived: live at a later one, it is no donor
+    epoch: int = 0
 
     def drop_job(self) -> None:
         if self.job is not None:

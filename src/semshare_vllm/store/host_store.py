@@ -87,7 +87,8 @@ class HostKVStore(DonorKVStore):
         self.layer_names = list(layer_names)
         self.layout = layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.persist_root = persist_root
+        self.persist_root = persist_root  # None once cleared: no more writes or reads
+        self._root = persist_root  # where deletes still go
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = len(layer_names) * itemsize * int(torch.Size(page_shape).numel())
         num_blocks = capacity_bytes // self.block_bytes
@@ -182,12 +183,13 @@ class HostKVStore(DonorKVStore):
             self._disk_q.put(("delete", key, None, None))
 
     def clear(self) -> None:
-        """A connector reset: forget every donor, in memory and on disk, and persist nothing
-        from now on (nor read back what others left: ``_path`` is None)."""
+        """A connector reset, or new weights: forget every donor, in memory and on disk, and
+        from now on persist nothing and read nothing back (``persist_root`` is None). Files
+        are still deleted (``drop``): those of donors only on disk go when the scheduler
+        names them."""
         self._writing.clear()
         for key in list(self._donors):
             self.drop(key)
-        self.close()  # after the queued writes and deletes
         self.persist_root = None
 
     def drop_memory(self, key: DonorKey) -> None:
@@ -251,7 +253,7 @@ class HostKVStore(DonorKVStore):
     # ---- disk (any thread may queue; one writer thread executes in order) ---------------------
     def persist(self, key: DonorKey, token_ids: list[int], pages: torch.Tensor) -> None:
         """Queue a write of the donor's pages (a tensor the caller no longer changes)."""
-        if self._disk_q is not None:
+        if self._disk_q is not None and self.persist_root is not None:
             self._disk_q.put(("write", key, token_ids, pages))
 
     def _path(self, key: DonorKey) -> Path | None:
@@ -267,7 +269,7 @@ class HostKVStore(DonorKVStore):
                 if op is None:
                     return
                 kind, key, token_ids, pages = op
-                path = self._path(key)
+                path = donor_file.donor_path(self._root, key.donor_id, self.tp_rank, self.tp_size)
                 if kind == "write":
                     donor_file.write(
                         path,

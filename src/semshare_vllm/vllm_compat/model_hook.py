@@ -20,12 +20,11 @@ path (``RUNNERS``). Written against vLLM 0.32 (CPU: V1
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 import threading
 import weakref
+
+from semshare_vllm.vllm_compat import on_import, weight_updates
 
 logger = logging.getLogger("vllm.semshare.recompute")
 
@@ -70,8 +69,12 @@ def _wrap(cls) -> bool:
         model = _raw_model(getattr(self, "model", None))
         if model is not None and ours(config):
             with _lock:
+                before = _models.get(id(config))
                 _models[id(config)] = model
                 _runners[id(config)] = self
+            weight_updates.watch(model)
+            if before is not None and before is not model:  # loaded again: other weights?
+                weight_updates.changed()
         return result
 
     load_model._semshare_wrapped = True
@@ -105,42 +108,16 @@ def _wrap_module(module) -> list[str]:
     return found
 
 
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Wraps a runner module's class right after the module is first imported, so that
-    processes which never import a runner (the API server) never pay for importing one."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _PENDING:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_wrap(module):
-            exec_module(module)
-            _PENDING.discard(fullname)
-            _installed.extend(_wrap_module(module))
-
-        spec.loader.exec_module = exec_and_wrap
-        return spec
-
-
-_PENDING: set[str] = set()
+def _on_runner_module(module) -> None:
+    _installed.extend(_wrap_module(module))
 
 
 def install() -> None:
     """Wrap the runner classes already imported, and the others when (if) they are imported.
     Cheap (imports nothing of vLLM's) and never raises."""
     try:
-        for module_name, _ in RUNNERS:
-            module = sys.modules.get(module_name)
-            if module is not None:
-                _installed.extend(_wrap_module(module))
-            else:
-                _PENDING.add(module_name)
-        if _PENDING and not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _WrapOnImport())
+        for module_name in dict.fromkeys(name for name, _ in RUNNERS):
+            on_import.when_imported(module_name, _on_runner_module)
     except Exception:
         logger.warning(
             "SemShare: could not install the model hook; selective recompute is off", exc_info=True

@@ -28,6 +28,7 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
+from semshare_vllm.vllm_compat import weight_updates
 from semshare_vllm.worker import setup
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.loads import Loads
@@ -49,6 +50,10 @@ class SemShareWorker:
         self.disabled: str | None = geometry.unsupported
         self.kv: WorkerKV | None = None  # what register_kv_caches built
         self._closed = False
+        # the weight updates seen (the model is loaded before the connector is made); after
+        # one, the captures scheduled before the scheduler heard of it are refused
+        self._weights = weight_updates.generation()
+        self._awaiting_reset = False
         self._assemble()
 
     def _assemble(self) -> None:
@@ -84,10 +89,15 @@ class SemShareWorker:
     def start_load_kv(self, meta: SemShareConnectorMetadata) -> None:
         # whatever happens to them below, this step's output says these loads ran
         self.report.loads_done.extend(spec.seq for spec in meta.loads)
+        if weight_updates.generation() != self._weights:
+            self._weights_changed()
         for req_id in meta.restart_logprob_rows:
             self._restart_logprobs(req_id)
         if meta.reset:
             self._reset(meta)
+            self._awaiting_reset = False
+        elif self._awaiting_reset:
+            self._refuse(meta)
         else:
             for key in meta.evictions:
                 self._evict(key)
@@ -112,6 +122,28 @@ class SemShareWorker:
                 self.kv.tier.forget(key)
             self.kv.store.drop(key)
 
+    @guarded("dropping the donors of the old weights", on_fault="_reset_failed")
+    def _weights_changed(self) -> None:
+        """The model's weights were updated in place (``vllm_compat/weight_updates.py``), maybe
+        with no connector reset to come: every donor of before is dropped now, as a reset drops
+        them, so this step's loads of them fail and vLLM computes those tokens. The scheduler,
+        told in this step's report, forgets them and answers with a reset; until then each
+        capture is refused (``_refuse``): its KV may predate the update."""
+        self._weights = weight_updates.generation()
+        self._awaiting_reset = True
+        self.report.weights_changed = True
+        self.stats.add("weight_updates")
+        self._reset(SemShareConnectorMetadata())
+
+    def _refuse(self, meta: SemShareConnectorMetadata) -> None:
+        """A step scheduled before the scheduler heard of a weight update: its captures are
+        not taken (their blocks freed), its evictions dropped."""
+        for spec in meta.captures:
+            self.report.finished_sending.add(spec.req_id)
+        if self.kv is not None:
+            for key in meta.evictions:
+                self.kv.store.drop(key)
+
     @guarded("resetting", on_fault="_reset_failed")
     def _reset(self, meta: SemShareConnectorMetadata) -> None:
         """vLLM reset the connector (``SemShareConnectorMetadata.reset``): no donor of before
@@ -130,11 +162,11 @@ class SemShareWorker:
         if tier is not None:
             tier.close(cancel=True)  # puts not started are never made
 
-    def _reset_failed(self, meta: SemShareConnectorMetadata) -> None:
+    def _reset_failed(self, meta: SemShareConnectorMetadata | None = None) -> None:
         """Off for good (the scheduler stops claiming at the next output): nothing of before
         is served, and every block held for a capture is freed."""
         held = [job.spec for job in self.captures.jobs.values()]
-        for spec in meta.captures + held:
+        for spec in (meta.captures if meta is not None else []) + held:
             self.report.finished_sending.add(spec.req_id)
         self.disabled = self.report.disabled = "a connector reset failed"
         self.kv = None

@@ -42,6 +42,7 @@ class WorkerReport:
     recompute_ready: bool | None = None  # once, with the capacity
     disabled: str | None = None  # once, when this worker turned itself off
     loads_done: list[int] = field(default_factory=list)  # seq of each load this step ran
+    weights_changed: bool = False  # once, after a weight update: the scheduler resets
 
     def fail_load(self, req_id: str, block_ids: list[int], start: int, num_tokens: int) -> None:
         """Report the blocks of positions ``[start, start + num_tokens)`` failed."""
@@ -84,6 +85,7 @@ class WorkerReport:
             and not self.repairs
             and self.disabled is None
             and not self.loads_done
+            and not self.weights_changed
         ):
             return None
         meta = SemShareWorkerMetadata(
@@ -94,8 +96,9 @@ class WorkerReport:
             self.disabled,
             self.repairs,
             self.loads_done,
+            self.weights_changed,
         )
         self.bad_donors, self.capacity, self.recompute_ready = [], None, None
         self.deviations, self.disabled, self.repairs = [], None, []
-        self.loads_done = []
+        self.loads_done, self.weights_changed = [], False
         return meta

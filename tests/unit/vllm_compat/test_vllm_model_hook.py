@@ -9,7 +9,7 @@ import sys
 import types
 from pathlib import Path
 
-from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat import model_hook, on_import, weight_updates
 
 
 class _Config:
@@ -38,7 +38,7 @@ def test_hook_wraps_runner_classes_imported_later_and_records_only_our_engines(
     monkeypatch.setattr(model_hook, "_models", __import__("weakref").WeakValueDictionary())
     monkeypatch.setattr(model_hook, "_runners", __import__("weakref").WeakValueDictionary())
     monkeypatch.setattr(model_hook, "_installed", [])
-    monkeypatch.setattr(model_hook, "_PENDING", set())
+    monkeypatch.setattr(on_import, "_pending", {})
     finders = list(sys.meta_path)
     try:
         model_hook.install()  # the module is not imported yet
@@ -176,3 +176,38 @@ def test_the_hook_wraps_every_real_runner_class_that_imports_here():
         sys.meta_path[:] = finders
     assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner" in imported
     assert "vllm.v1.worker.cpu_model_runner.CPUModelRunner" in imported
+
+
+def test_a_model_loaded_again_for_the_engine_counts_as_a_weight_update(monkeypatch):
+    """A runner that loads a model again (another object) may have loaded other weights: the
+    worker must drop the donors of before (``weight_updates``). The same model recorded twice
+    (a runner's ``load_model`` calling its base class's) is no update."""
+    import weakref
+
+    monkeypatch.setattr(model_hook, "_models", weakref.WeakValueDictionary())
+    monkeypatch.setattr(model_hook, "_runners", weakref.WeakValueDictionary())
+
+    class Model:
+        def load_weights(self, weights):
+            return set()
+
+    class Runner:
+        def __init__(self):
+            self.vllm_config = _Config("SemShareConnector")
+
+        def load_model(self):
+            self.model = Model()
+
+    class Again(Runner):
+        def load_model(self):
+            super().load_model()
+
+    assert model_hook._wrap(Runner) and model_hook._wrap(Again)
+    runner = Again()
+    before = weight_updates.generation()
+    runner.load_model()  # both wrappers record the same model
+    assert weight_updates.generation() == before
+    runner.model.load_weights([])  # watched
+    assert weight_updates.generation() == before + 1
+    runner.load_model()  # another model object
+    assert weight_updates.generation() == before + 2

@@ -149,3 +149,58 @@ def test_blocks_given_back_are_copied_first_even_if_a_release_fails(monkeypatch)
     core.step(KVConnectorOutput(finished_sending={first.request_id, second.request_id}))
     core.assert_empty()
     core.connector.shutdown()
+
+
+def test_a_request_running_across_a_reset_is_no_donor():
+    """``reset_prefix_cache(reset_connector=True)`` while a request runs (vLLM's own part
+    fails: its blocks are in use; the connector's is done). The request's prompt KV was
+    computed before the reset, with the weights of before. On main it finished after the
+    reset's step and became a donor (a capture, offered to the next prompt)."""
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    running = core.add(core.request(ids(6 * bs + 5, 15), max_tokens=6))
+    core.step()
+    assert not core.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM: blocks in use
+    assert core.step().kv_connector_metadata.reset
+    core.run_to_end(running)
+    assert core.finished[running.request_id][0] is False  # no capture: blocks freed at once
+    assert len(core.ours.index) == 0
+    core.assert_empty()
+    core.connector.shutdown()
+
+
+def test_a_weight_update_the_worker_saw_resets_the_connector():
+    """The worker saw the model's weights updated in place (``weight_updates``) with no
+    connector reset from vLLM, and says so in its report: the scheduler forgets every donor as
+    a reset does, sends the reset back, and neither the request live then nor one finished
+    before the reset's step becomes a donor. The donors after it serve."""
+    from semshare_vllm.metadata import SemShareWorkerMetadata
+
+    core = EngineCore(engine_config(prefix_caching=True))
+    bs = core.block_size
+    donor = core.add(core.request(ids(6 * bs + 5, 16)))
+    core.capture(donor)
+    live = core.add(core.request(ids(5 * bs + 3, 17), max_tokens=6))
+    core.step()
+    core.step(
+        KVConnectorOutput(kv_connector_worker_meta=SemShareWorkerMetadata(weights_changed=True))
+    )
+    assert core.ours.stats.totals["connector_resets"] == 1
+    assert len(core.ours.index) == 0 and core.ours.geometry.local_only
+    out = core.step()
+    assert out.kv_connector_metadata.reset and out.has_sync_kv_loads
+    core.run_to_end(live)
+    assert core.finished[live.request_id][0] is False
+
+    core.scheduler.reset_prefix_cache()
+    target = core.add(core.request(list(donor.prompt_token_ids) + ids(10, 18)))
+    out = core.step()
+    assert not out.kv_connector_metadata.loads  # nothing of before offered
+    assert out.num_scheduled_tokens[target.request_id] == target.num_prompt_tokens
+    key = core.capture(target).key  # after the reset: a donor again
+    core.scheduler.reset_prefix_cache()
+    again = core.add(core.request(list(target.prompt_token_ids[: 6 * bs]) + ids(9, 19)))
+    (load,) = core.step().kv_connector_metadata.loads
+    assert load.key == key
+    core.run_to_end(again)
+    core.connector.shutdown()

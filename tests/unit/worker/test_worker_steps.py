@@ -345,10 +345,56 @@ def test_a_reset_drops_every_donor_and_capture_and_persists_nothing_after(monkey
     w.start_load_kv(SemShareConnectorMetadata(evictions, captures=[late], reset=True))
     assert w.get_finished({"f"}) == ({"e", "f"}, None)  # every held block freed
     assert not w.captures.jobs and w.kv.store.used_bytes == 0
+    w.kv.store.flush()  # the deletes, on the store's disk thread
     assert not list(tmp_path.iterdir()) and w.kv.store.persist_root is None
     assert w.disabled is None  # it goes on: a donor captured now is kept, in memory only
     again = captured_donor(w)
     assert again in w.kv.store and not list(tmp_path.iterdir())
+
+
+def test_weights_updated_between_steps_drop_every_donor_until_the_scheduler_resets(
+    monkeypatch, tmp_path
+):
+    """The model's weights updated in place with no connector reset (``weight_updates``): the
+    next step's load of a donor of before fails (vLLM computes its tokens), the capture in
+    flight and the step's captures are dropped (their blocks freed), the files go and nothing
+    is written after; the scheduler is told once. Captures stay refused until its reset."""
+    from semshare_vllm.vllm_compat import weight_updates
+
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    kept = captured_donor(w)
+    w.kv.store.flush()
+    assert kept in w.kv.store and list(tmp_path.iterdir())
+    flying = DonorKey("", "e")
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("e", flying, list(range(30)), [3])])
+    )
+    w.start_captures()
+
+    weight_updates.changed()  # e.g. a training loop's load_weights, between two steps
+    late = CaptureSpec("f", DonorKey("", "f"), list(range(30)), [4])
+    load = LoadSpec("b", kept, 0, 0, 40, [5, 6], seq=3)
+    w.start_load_kv(SemShareConnectorMetadata(captures=[late], loads=[load]))
+    assert w.get_block_ids_with_load_errors() == {5, 6}  # not served: recomputed
+    assert w.get_finished({"f"}) == ({"e", "f"}, None)  # every held block freed
+    assert not w.captures.jobs and w.kv.store.used_bytes == 0
+    meta = w.build_worker_meta()
+    assert meta.weights_changed and w.stats.totals["weight_updates"] == 1
+    w.kv.store.flush()
+    assert not list(tmp_path.iterdir())
+    assert not w.build_worker_meta()  # said once
+
+    # a step scheduled before the scheduler heard: its captures are refused too
+    w.start_load_kv(
+        SemShareConnectorMetadata(captures=[CaptureSpec("g", DonorKey("", "g"), [1] * 20, [7])])
+    )
+    assert w.get_finished({"g"}) == ({"g"}, None) and not w.captures.jobs
+    w.start_load_kv(SemShareConnectorMetadata([kept, flying], reset=True))  # its answer
+    again = captured_donor(w)  # kept from now on, in memory only
+    assert again in w.kv.store
+    w.kv.store.flush()
+    assert not list(tmp_path.iterdir()) and w.disabled is None
+    w.shutdown()
 
 
 def test_captures_whose_blocks_vllm_got_back_are_copied_before_the_step_writes(monkeypatch):

@@ -1,0 +1,104 @@
+"""Weights changed in place: every donor computed before is wrong for the new weights.
+
+Training loops sync new weights into a running engine (reinforcement learning), then reset
+vLLM's prefix cache with ``reset_prefix_cache()``, which resets no connector (TRL calls it
+so). Donors of the old weights would be served over the new ones, a wrong answer with no error.
+So the worker half must see every update it can:
+
+- ``install()`` wraps the weight-update calls of vLLM's worker class (``reload_weights``, and
+  ``update_weights`` / ``finish_weight_update`` of its weight-transfer engines, some of which
+  copy into the parameters without ``load_weights``);
+- ``watch(model)`` wraps the loaded model's own ``load_weights`` (what TRL's, OpenRLHF's and
+  verl's syncs call from their worker extensions, and vLLM's reload inside);
+- ``model_hook`` reports a model loaded again (``changed``).
+
+Each bumps this process's ``generation()``, which the worker half compares at every step (a
+counter: nothing is hashed, nothing waits). Each wrapper bumps even when the call raises (the
+weights may be half written). Not seen: weights written into the parameters directly
+(``param.copy_``); such a loop must reset the connector (``reset_prefix_cache(
+reset_connector=True)``, a pause with ``clear_cache``, or sleep).
+
+Touches ``vllm.v1.worker.gpu_worker.Worker`` (the CPU worker subclasses it), whose three
+methods are the same in vLLM 0.32 and 0.33, and the model's ``load_weights`` attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+
+from semshare_vllm.vllm_compat import on_import
+
+logger = logging.getLogger("vllm.semshare")
+
+WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
+METHODS = ("reload_weights", "update_weights", "finish_weight_update")
+
+_updates = itertools.count(1)
+_generation = 0
+
+
+def generation() -> int:
+    """How many weight updates this process has seen."""
+    return _generation
+
+
+def changed() -> None:
+    global _generation
+    _generation = next(_updates)  # atomic under the GIL: two bumps never count as one
+
+
+def _counting(original):
+    if getattr(original, "_semshare_counts_updates", False):
+        return original
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            changed()
+
+    call._semshare_counts_updates = True
+    return call
+
+
+def _wrap_worker(module) -> None:
+    cls = getattr(module, WORKER[1], None)
+    for name in METHODS:
+        method = None if cls is None else cls.__dict__.get(name)
+        if method is None:
+            logger.warning(
+                "SemShare: vLLM's %s.%s has no %s: weight updates through it are not seen "
+                "(reset the connector after one)",
+                *WORKER,
+                name,
+            )
+            continue
+        setattr(cls, name, _counting(method))
+
+
+def install() -> None:
+    """Wrap the worker's weight-update calls, now or when its module is imported. Cheap and
+    never raises (the plugin entry point calls it)."""
+    try:
+        on_import.when_imported(WORKER[0], _wrap_worker)
+    except Exception:
+        logger.warning("SemShare: could not watch vLLM's weight updates", exc_info=True)
+
+
+def watch(model) -> None:
+    """Count every call of this model's ``load_weights`` (looked up on the instance, as vLLM's
+    loaders and the training frameworks call it) as a weight update."""
+    load = getattr(model, "load_weights", None)
+    if load is None or getattr(load, "_semshare_counts_updates", False):
+        return
+    try:
+        object.__setattr__(model, "load_weights", _counting(load))
+    except Exception:
+        logger.warning(
+            "SemShare: cannot watch %s.load_weights: weight updates through it are not seen",
+            type(model).__name__,
+            exc_info=True,
+        )
