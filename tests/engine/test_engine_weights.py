@@ -235,6 +235,7 @@ def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update
         assert worker.stats.totals["weight_updates"] == 1
         assert sched.stats.totals["connector_resets"] == 1
         assert sched.geometry.local_only
+        worker.kv.store.flush()  # the deletes, on the store's disk thread
         assert not list(persist.rglob("*.safetensors"))  # a's file gone too
         # b was live when the scheduler heard (no donor); once more, it is kept, for this
         # process only, and serves
@@ -248,12 +249,19 @@ def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update
         offline.drop_connector()
 
 
-def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path):
+@pytest.mark.parametrize("plugins", ["loaded", "none"])
+def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path, plugins, monkeypatch):
     """The same through a real ``vllm serve`` (engine core and worker in their own processes,
     prefix caching on): vLLM's ``reload_weights`` over its development RPC endpoint, after the
     checkpoint was rewritten on disk, then ``/reset_prefix_cache`` alone. The worker process
-    sees the update; b's answer is the new weights' cold answer."""
+    sees the update; b's answer is the new weights' cold answer. Also where vLLM loads none of
+    our plugins (``VLLM_PLUGINS``; the connector comes by its module path): the reviewer's run
+    on the first version served a's donor there, as the watch was installed by the plugin
+    only."""
     import requests
+
+    if plugins == "none":
+        monkeypatch.setenv("VLLM_PLUGINS", "none")
 
     from semshare_vllm.testbed.server import SEMSHARE, VllmServer
     from semshare_vllm.testbed.text import wiki_document

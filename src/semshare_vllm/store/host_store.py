@@ -177,16 +177,23 @@ class HostKVStore(DonorKVStore):
         return blocks
 
     def drop(self, key: DonorKey) -> None:
-        """Forget the donor, in memory and on disk."""
+        """Forget the donor, in memory and, while this store persists, on disk."""
         self.drop_memory(key)
+        if self.persist_root is not None:
+            self.forget_files([key])
+
+    def forget_files(self, keys) -> None:
+        """Delete the donors' files, also after ``clear`` (a reset names the donors only on
+        disk after the worker cleared its store)."""
         if self._disk_q is not None:
-            self._disk_q.put(("delete", key, None, None))
+            for key in keys:
+                self._disk_q.put(("delete", key, None, None))
 
     def clear(self) -> None:
         """A connector reset, or new weights: forget every donor, in memory and on disk, and
-        from now on persist nothing and read nothing back (``persist_root`` is None). Files
-        are still deleted (``drop``): those of donors only on disk go when the scheduler
-        names them."""
+        from now on persist nothing and read nothing back (``persist_root`` is None). Later,
+        only the files named to ``forget_files`` are deleted: a donor kept in memory after
+        this may share its id (its content) with a file another engine wrote."""
         self._writing.clear()
         for key in list(self._donors):
             self.drop(key)

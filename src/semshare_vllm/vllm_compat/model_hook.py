@@ -58,6 +58,9 @@ def ours(vllm_config) -> bool:
 
 
 def _wrap(cls) -> bool:
+    # the runner's own reload (in place: it may copy into the parameters without the model's
+    # load_weights) counts as a weight update, also when called without the worker's
+    weight_updates.count_calls(cls, "reload_weights")
     original = cls.__dict__.get("load_model")
     if original is None or getattr(original, "_semshare_wrapped", False):
         return original is not None

@@ -10,7 +10,8 @@ So the worker half must see every update it can:
   copy into the parameters without ``load_weights``);
 - ``watch(model)`` wraps the loaded model's own ``load_weights`` (what TRL's, OpenRLHF's and
   verl's syncs call from their worker extensions, and vLLM's reload inside);
-- ``model_hook`` reports a model loaded again (``changed``).
+- ``model_hook`` counts the model runners' own ``reload_weights`` (``count_calls``) and reports
+  a model loaded again (``changed``).
 
 Each bumps this process's ``generation()``, which the worker half compares at every step (a
 counter: nothing is hashed, nothing waits). Each wrapper bumps even when the call raises (the
@@ -64,24 +65,31 @@ def _counting(original):
     return call
 
 
+def count_calls(cls, name: str) -> bool:
+    """Count each call of ``cls.name`` (defined on that class) as a weight update."""
+    method = cls.__dict__.get(name)
+    if method is None:
+        return False
+    setattr(cls, name, _counting(method))
+    return True
+
+
 def _wrap_worker(module) -> None:
     cls = getattr(module, WORKER[1], None)
     for name in METHODS:
-        method = None if cls is None else cls.__dict__.get(name)
-        if method is None:
+        if cls is None or not count_calls(cls, name):
             logger.warning(
                 "SemShare: vLLM's %s.%s has no %s: weight updates through it are not seen "
                 "(reset the connector after one)",
                 *WORKER,
                 name,
             )
-            continue
-        setattr(cls, name, _counting(method))
 
 
 def install() -> None:
-    """Wrap the worker's weight-update calls, now or when its module is imported. Cheap and
-    never raises (the plugin entry point calls it)."""
+    """Wrap the worker's weight-update calls, now or when its module is imported. Cheap,
+    idempotent, never raises. The plugin entry point calls it, and the worker half again (vLLM
+    may not load our plugin: a ``VLLM_PLUGINS`` allowlist)."""
     try:
         on_import.when_imported(WORKER[0], _wrap_worker)
     except Exception:

@@ -28,7 +28,7 @@ from semshare_vllm.metadata import (
     SemShareConnectorMetadata,
     SemShareWorkerMetadata,
 )
-from semshare_vllm.vllm_compat import weight_updates
+from semshare_vllm.vllm_compat import model_hook, weight_updates
 from semshare_vllm.worker import setup
 from semshare_vllm.worker.capture import Captures
 from semshare_vllm.worker.loads import Loads
@@ -50,6 +50,10 @@ class SemShareWorker:
         self.disabled: str | None = geometry.unsupported
         self.kv: WorkerKV | None = None  # what register_kv_caches built
         self._closed = False
+        # Where vLLM did not load our plugin (a VLLM_PLUGINS allowlist), the hooks go in now:
+        # too late to see the model load, not to see the weight-update calls.
+        model_hook.install()
+        weight_updates.install()
         # the weight updates seen (the model is loaded before the connector is made); after
         # one, the captures scheduled before the scheduler heard of it are refused
         self._weights = weight_updates.generation()
@@ -141,8 +145,7 @@ class SemShareWorker:
         for spec in meta.captures:
             self.report.finished_sending.add(spec.req_id)
         if self.kv is not None:
-            for key in meta.evictions:
-                self.kv.store.drop(key)
+            self.kv.store.forget_files(meta.evictions)  # donors of before: as a reset does
 
     @guarded("resetting", on_fault="_reset_failed")
     def _reset(self, meta: SemShareConnectorMetadata) -> None:
@@ -155,8 +158,7 @@ class SemShareWorker:
         if self.kv is None:
             return
         self.captures.drop_all()  # nothing of them reaches the store's disk or LMCache
-        for key in meta.evictions:  # in memory or only on disk
-            self.kv.store.drop(key)
+        self.kv.store.forget_files(meta.evictions)  # in memory or only on disk
         self.kv.store.clear()
         tier, self.kv.tier = self.kv.tier, None
         if tier is not None:

@@ -92,6 +92,42 @@ def test_persist_roundtrip_and_drop(tmp_path):
     s.close()
 
 
+def test_after_a_clear_only_the_files_named_are_deleted(tmp_path):
+    """A reset clears the store: its donors and their files go, nothing is written or read back
+    after. A donor kept in memory after it may share its id (its content) with a file another
+    engine wrote into the same directory: dropping it must not delete that file; the donors
+    the reset names (``forget_files``) are deleted."""
+    s = store(8, persist_root=tmp_path)
+    mine, others, named = DonorKey("", "mine"), DonorKey("", "others"), DonorKey("", "named")
+    data = pages(2)
+    s.pool[:, s.allocate(mine, 2)] = data
+    s.persist(mine, list(range(8)), data.clone())
+    for key in (others, named):  # written by another engine with the same fingerprint
+        donor_file.write(
+            tmp_path / f"{key.donor_id}.tp0of1.safetensors",
+            "",
+            key.donor_id,
+            list(range(8)),
+            LAYERS,
+            "CPU_ATTN/vec/8",
+            data,
+        )
+    s.flush()
+    s.clear()
+    s.flush()
+    assert not (tmp_path / "mine.tp0of1.safetensors").exists()
+    with pytest.raises(DonorUnavailable):
+        s.blocks(others)  # nothing read back from disk after a clear
+    s.pool[:, s.allocate(others, 2)] = data  # the same content, kept in memory only
+    s.persist(others, list(range(8)), data.clone())  # not written
+    s.drop(others)
+    s.forget_files([named])
+    s.flush()
+    assert (tmp_path / "others.tp0of1.safetensors").exists()
+    assert not (tmp_path / "named.tp0of1.safetensors").exists()
+    s.close()
+
+
 def test_truncated_and_corrupted_files_are_detected(tmp_path):
     path = tmp_path / "d.tp0of1.safetensors"
     donor_file.write(path, "", "d", [1, 2, 3], LAYERS, "CPU_ATTN/vec/8", pages(1))

@@ -179,7 +179,8 @@ def test_the_hook_wraps_every_real_runner_class_that_imports_here():
 
 
 def test_a_model_loaded_again_for_the_engine_counts_as_a_weight_update(monkeypatch):
-    """A runner that loads a model again (another object) may have loaded other weights: the
+    """A runner that loads a model again (another object) may have loaded other weights, and
+    its own ``reload_weights`` may copy into the parameters without ``load_weights``: the
     worker must drop the donors of before (``weight_updates``). The same model recorded twice
     (a runner's ``load_model`` calling its base class's) is no update."""
     import weakref
@@ -198,6 +199,9 @@ def test_a_model_loaded_again_for_the_engine_counts_as_a_weight_update(monkeypat
         def load_model(self):
             self.model = Model()
 
+        def reload_weights(self, **kwargs):  # may copy into the parameters itself
+            return "reloaded"
+
     class Again(Runner):
         def load_model(self):
             super().load_model()
@@ -211,3 +215,5 @@ def test_a_model_loaded_again_for_the_engine_counts_as_a_weight_update(monkeypat
     assert weight_updates.generation() == before + 1
     runner.load_model()  # another model object
     assert weight_updates.generation() == before + 2
+    assert runner.reload_weights(weights_path="x") == "reloaded"
+    assert weight_updates.generation() == before + 3

@@ -54,6 +54,13 @@ def test_disabled_ranks_disable_all():
     assert ok.aggregate(SemShareWorkerMetadata()).disabled is None
 
 
+def test_a_weight_update_one_rank_saw_is_every_ranks():
+    seen = SemShareWorkerMetadata(weights_changed=True)
+    assert seen.aggregate(SemShareWorkerMetadata()).weights_changed
+    assert SemShareWorkerMetadata().aggregate(seen).weights_changed
+    assert not SemShareWorkerMetadata().aggregate(SemShareWorkerMetadata()).weights_changed
+
+
 def test_exact_only_kv_builds_no_layer_runner(monkeypatch):
     """Quantised (fp8) KV: exact page copies only; the runner is never built, and the scheduler
     hears the worker cannot repair approximate KV."""
