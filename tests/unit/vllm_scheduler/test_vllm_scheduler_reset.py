@@ -204,3 +204,37 @@ def test_a_weight_update_the_worker_saw_resets_the_connector():
     assert load.key == key
     core.run_to_end(again)
     core.connector.shutdown()
+
+
+def test_with_two_steps_in_flight_a_request_finished_with_the_update_report_is_no_donor():
+    """CUDA's default, async scheduling: the request finishes in the very output that carries
+    the worker's report of a weight update (vLLM calls ``request_finished`` before it hands the
+    connector that output). Its capture goes out with the reset, which the worker drops, and
+    the donor is forgotten with the others: nothing of it is ever offered."""
+    from semshare_vllm.metadata import SemShareWorkerMetadata
+
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    bs = core.block_size
+    req = core.add(core.request(ids(6 * bs + 5, 20), max_tokens=1))
+    assert core.pipeline() is not None  # its prefill, in flight
+    report = KVConnectorOutput(
+        kv_connector_worker_meta=SemShareWorkerMetadata(weights_changed=True)
+    )
+    core.pipeline(report)  # schedules another step, answers the prefill with the report
+    assert req.is_finished() and core.finished[req.request_id][0] is True  # held: a capture
+    assert len(core.ours.index) == 0 and core.ours.geometry.local_only
+    out = core.pipeline()
+    meta = out.kv_connector_metadata
+    assert meta.reset and [c.req_id for c in meta.captures] == [req.request_id]
+    core.drain(KVConnectorOutput(finished_sending={req.request_id}))  # the worker released it
+    core.scheduler.reset_prefix_cache()
+    again = core.add(core.request(list(req.prompt_token_ids) + ids(5, 21)))
+    out = core.pipeline()
+    assert not out.kv_connector_metadata.loads
+    core.drain()
+    for _ in range(20):
+        if again.is_finished():
+            break
+        core.pipeline()
+    core.drain()
+    core.connector.shutdown()
