@@ -28,7 +28,9 @@ def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> N
         _run(callback, module)
         return
     with _lock:
-        _pending.setdefault(module_name, []).append(callback)
+        callbacks = _pending.setdefault(module_name, [])
+        if callback not in callbacks:  # installs run more than once (plugin, worker half)
+            callbacks.append(callback)
         if not any(isinstance(f, _RunOnImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _RunOnImport())
 
