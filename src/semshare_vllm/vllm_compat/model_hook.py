@@ -46,6 +46,8 @@ _lock = threading.Lock()
 _models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _installed: list[str] = []
+_loads: dict[int, int] = {}  # id(vllm_config) -> the models loaded for it so far
+_depth = threading.local()  # load_model calls in progress on this thread
 
 
 def ours(vllm_config) -> bool:
@@ -67,16 +69,22 @@ def _wrap(cls) -> bool:
 
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
+        _depth.n = getattr(_depth, "n", 0) + 1  # a runner's load_model may call its base's
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _depth.n -= 1
         config = getattr(self, "vllm_config", None)
         model = _raw_model(getattr(self, "model", None))
         if model is not None and ours(config):
             with _lock:
-                before = _models.get(id(config))
                 _models[id(config)] = model
                 _runners[id(config)] = self
+                again = _depth.n == 0 and _loads.get(id(config), 0) > 0
+                if _depth.n == 0:
+                    _loads[id(config)] = _loads.get(id(config), 0) + 1
             weight_updates.watch(model)
-            if before is not None and before is not model:  # loaded again: other weights?
+            if again:  # the engine loaded a model again: maybe other weights
                 weight_updates.changed()
         return result
 
@@ -112,7 +120,7 @@ def _wrap_module(module) -> list[str]:
 
 
 def _on_runner_module(module) -> None:
-    _installed.extend(_wrap_module(module))
+    _installed.extend(n for n in _wrap_module(module) if n not in _installed)
 
 
 def install() -> None:
@@ -141,6 +149,12 @@ def _recorded(table: weakref.WeakValueDictionary, vllm_config):
 def loaded_model(vllm_config):
     """The model this process loaded for ``vllm_config`` (None when the hook did not see it)."""
     return _recorded(_models, vllm_config)
+
+
+def seen_any() -> bool:
+    """Whether the hook recorded a model load of ours in this process."""
+    with _lock:
+        return len(_models) > 0
 
 
 def loaded_runner(vllm_config):

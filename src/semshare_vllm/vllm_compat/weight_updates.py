@@ -8,7 +8,7 @@ So the worker half must see every update it can:
 - ``install()`` wraps the weight-update calls of vLLM's worker class (``reload_weights``, and
   ``update_weights`` / ``finish_weight_update`` of its weight-transfer engines, some of which
   copy into the parameters without ``load_weights``);
-- ``watch(model)`` wraps the loaded model's own ``load_weights`` (what TRL's, OpenRLHF's and
+- ``watch(model)`` wraps the loaded model's ``load_weights`` (what TRL's, OpenRLHF's and
   verl's syncs call from their worker extensions, and vLLM's reload inside);
 - ``model_hook`` counts the model runners' own ``reload_weights`` (``count_calls``) and reports
   a model loaded again (``changed``).
@@ -19,8 +19,10 @@ weights may be half written). Not seen: weights written into the parameters dire
 (``param.copy_``); such a loop must reset the connector (``reset_prefix_cache(
 reset_connector=True)``, a pause with ``clear_cache``, or sleep).
 
-Touches ``vllm.v1.worker.gpu_worker.Worker`` (the CPU worker subclasses it), whose three
-methods are the same in vLLM 0.32 and 0.33, and the model's ``load_weights`` attribute.
+Touches ``vllm.v1.worker.gpu_worker.Worker`` (the CPU worker subclasses it), whose four
+methods are the same in vLLM 0.32 and 0.33, and the model class's ``load_weights``. Counted
+though they change nothing: a drafter-only update, a call that fails its precondition, 0.33's
+sharded-RDT engine setup (``load_weights`` over meta tensors); each costs the donors only.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from semshare_vllm.vllm_compat import on_import
 logger = logging.getLogger("vllm.semshare")
 
 WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
-METHODS = ("reload_weights", "update_weights", "finish_weight_update")
+# ``reset_weights`` zeroes them (0.33's ``/weight_checker`` "reset"), a sync follows
+METHODS = ("reload_weights", "update_weights", "finish_weight_update", "reset_weights")
 
 _updates = itertools.count(1)
 _generation = 0
@@ -97,13 +100,13 @@ def install() -> None:
 
 
 def watch(model) -> None:
-    """Count every call of this model's ``load_weights`` (looked up on the instance, as vLLM's
-    loaders and the training frameworks call it) as a weight update."""
-    load = getattr(model, "load_weights", None)
-    if load is None or getattr(load, "_semshare_counts_updates", False):
-        return
+    """Count every call of this model's ``load_weights`` as a weight update. Wrapped on the
+    class that defines it, not on the instance (which a copy or a pickle of the model would
+    carry): every model of that class in this process counts, which only costs donors."""
+    owner = next((c for c in type(model).__mro__ if "load_weights" in c.__dict__), None)
     try:
-        object.__setattr__(model, "load_weights", _counting(load))
+        if owner is not None:
+            count_calls(owner, "load_weights")
     except Exception:
         logger.warning(
             "SemShare: cannot watch %s.load_weights: weight updates through it are not seen",

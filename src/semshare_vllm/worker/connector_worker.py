@@ -54,6 +54,14 @@ class SemShareWorker:
         # too late to see the model load, not to see the weight-update calls.
         model_hook.install()
         weight_updates.install()
+        if not self.disabled and not model_hook.seen_any():
+            logger.warning(
+                "SemShare: no model load was seen on this worker (is the semshare plugin in "
+                "VLLM_PLUGINS?): weight updates through the model's load_weights (TRL, "
+                "OpenRLHF, verl) go unseen, so reset the connector after one "
+                "(reset_prefix_cache(reset_connector=True)); vLLM's reload_weights and "
+                "weight-transfer calls are seen"
+            )
         # the weight updates seen (the model is loaded before the connector is made); after
         # one, the captures scheduled before the scheduler heard of it are refused
         self._weights = weight_updates.generation()

@@ -187,6 +187,7 @@ def test_a_model_loaded_again_for_the_engine_counts_as_a_weight_update(monkeypat
 
     monkeypatch.setattr(model_hook, "_models", weakref.WeakValueDictionary())
     monkeypatch.setattr(model_hook, "_runners", weakref.WeakValueDictionary())
+    monkeypatch.setattr(model_hook, "_loads", {})
 
     class Model:
         def load_weights(self, weights):

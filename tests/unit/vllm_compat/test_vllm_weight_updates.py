@@ -12,13 +12,12 @@ from semshare_vllm.vllm_compat import on_import, weight_updates
 
 
 def test_the_models_load_weights_counts_each_call_even_one_that_raises():
-    class Model:
-        def load_weights(self, weights):
-            if weights == "bad":
-                raise ValueError("half written")
-            return {"w"}
+    """Wrapped on the class that defines it: a copy of the model loads into itself, and the
+    model still pickles (the second review's run: an instance wrapper did neither)."""
+    import copy
+    import pickle
 
-    model = Model()
+    model = _Model()
     weight_updates.watch(model)
     weight_updates.watch(model)  # twice: wrapped once
     before = weight_updates.generation()
@@ -27,7 +26,25 @@ def test_the_models_load_weights_counts_each_call_even_one_that_raises():
     with pytest.raises(ValueError):
         model.load_weights("bad")
     assert weight_updates.generation() == before + 2
-    assert Model().load_weights([]) == {"w"} and weight_updates.generation() == before + 2
+    twin = copy.deepcopy(model)
+    twin.load_weights([7])
+    assert twin.loaded == [[], [7]] and model.loaded == [[]]
+    assert weight_updates.generation() == before + 3
+    assert pickle.loads(pickle.dumps(model)).loaded == [[]]
+    assert "load_weights" not in vars(model)
+
+
+class _Base:
+    def load_weights(self, weights):
+        if weights == "bad":
+            raise ValueError("half written")
+        self.loaded.append(weights)
+        return {"w"}
+
+
+class _Model(_Base):  # load_weights inherited: wrapped where it is defined
+    def __init__(self):
+        self.loaded = []
 
 
 def test_a_model_without_load_weights_is_left_alone():
