@@ -99,6 +99,29 @@ def test_donors_of_random_weights_are_never_persisted(tmp_path):
     assert real["out"]["token_ids"] == cold["token_ids"]
 
 
+def persisting_engine(model, persist):
+    """An in-process engine (as offline RL loops run it) over ``model``, persisting donors to
+    ``persist``, prefix caching on; its connector halves, and ``gen(prompt, kv, salt)``: the
+    greedy tokens of one request."""
+    from semshare_vllm.testbed.offline import greedy, semshare_llm
+
+    llm = semshare_llm(
+        str(model),
+        {"host_store_bytes": "64MiB", "persist_dir": str(persist), "lookup_deadline_ms": 20000},
+        enable_prefix_caching=True,
+    )
+    sched, worker = offline.connector_halves(llm)
+
+    def gen(prompt, kv=None, salt=None):
+        request = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        params = greedy(MAX_TOKENS, logprobs=None, kv_transfer_params=kv)
+        return list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    return llm, sched, worker, gen
+
+
 def replace_weights(worker) -> None:
     """In the worker (``LLM.collective_rpc``): other random weights copied into the loaded
     model's matrices, in place, as a training loop's weight sync does between rollouts."""
@@ -121,24 +144,10 @@ def test_a_pause_drops_the_donors_of_the_weights_before_it(tmp_path):
     in-process engine paused right after ``generate`` (its last request's blocks held for our
     capture) raised in vLLM's reset. Now the pause succeeds, nothing of before is served, the
     answer is the new weights' cold one (prefix caching on), and nothing is persisted after."""
-    from semshare_vllm.testbed.offline import greedy, semshare_llm
-
     model, a, b, filler = model_and_prompts(tmp_path)
     persist = tmp_path / "donors"
-    llm = semshare_llm(
-        str(model),
-        {"host_store_bytes": "64MiB", "persist_dir": str(persist), "lookup_deadline_ms": 20000},
-        enable_prefix_caching=True,
-    )
-    sched, worker = offline.connector_halves(llm)
+    llm, sched, worker, gen = persisting_engine(model, persist)
     engine = llm.llm_engine.engine_core.engine_core  # in-process, as offline RL loops run it
-
-    def gen(prompt, kv=None, salt=None):
-        request = {"prompt_token_ids": prompt}
-        if salt is not None:
-            request["cache_salt"] = salt
-        params = greedy(MAX_TOKENS, logprobs=None, kv_transfer_params=kv)
-        return list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
 
     try:
         gen(a)
@@ -191,26 +200,12 @@ def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update
     On main b was served from a's donor, computed with the old weights, and its answer was not
     the new weights' cold answer. Now the worker sees the update, drops every donor of before
     and tells the scheduler, which forgets them as a connector reset does."""
-    from semshare_vllm.testbed.offline import greedy, semshare_llm
-
     model, a, b, filler = model_and_prompts(tmp_path)
     new = tmp_path / "new"
     shutil.copytree(model, new)
     rewrite_weights(new)
     persist = tmp_path / "donors"
-    llm = semshare_llm(
-        str(model),
-        {"host_store_bytes": "64MiB", "persist_dir": str(persist), "lookup_deadline_ms": 20000},
-        enable_prefix_caching=True,
-    )
-    sched, worker = offline.connector_halves(llm)
-
-    def gen(prompt, kv=None, salt=None):
-        request = {"prompt_token_ids": prompt}
-        if salt is not None:
-            request["cache_salt"] = salt
-        params = greedy(MAX_TOKENS, logprobs=None, kv_transfer_params=kv)
-        return list(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+    llm, sched, worker, gen = persisting_engine(model, persist)
 
     try:
         old = gen(b, kv={"semshare": "off"}, salt="old")  # the old weights' answer

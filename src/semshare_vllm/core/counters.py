@@ -67,7 +67,8 @@ COUNTERS: dict[str, str] = {
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",
     "weight_updates": "steps that found the model's weights updated in place since the last "
-    "(reload_weights, update_weights, the model's load_weights): every donor of before dropped",
+    "(reload_weights, update_weights, reset_weights, the model's load_weights): every donor "
+    "of before dropped",
     "load_ms": "milliseconds spent loading donor KV",
     "tier_puts": "donors put in the LMCache tier (kv_tier), readable by other instances",
     "tier_put_failures": "donors the LMCache tier did not take (e.g. its backend unreachable)",
