@@ -253,6 +253,8 @@ def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path, pl
     our plugins (``VLLM_PLUGINS``; the connector comes by its module path): the reviewer's run
     on the first version served a's donor there, as the watch was installed by the plugin
     only."""
+    import time
+
     import requests
 
     if plugins == "none":
@@ -282,6 +284,12 @@ def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path, pl
         srv.complete("ping " * 3, 1, kv_transfer_params=off)  # the step that captures a
         srv.reset_prefix_cache()  # vLLM's copy of a gone: b is served from our donor
         assert srv.complete(b, MAX_TOKENS).cached_tokens > 0  # (b itself is no donor: approximate)
+        # a persisted with our plugin; never without (a sync through the model's load_weights
+        # would go unseen, and leave donors of other weights on disk)
+        deadline = time.monotonic() + (30 if plugins == "loaded" else 0)
+        while not list(persist.rglob("*.safetensors")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert bool(list(persist.rglob("*.safetensors"))) == (plugins == "loaded")
         srv.reset_prefix_cache()
         shutil.copy(new / "model.safetensors", model / "model.safetensors")
         resp = requests.post(
@@ -294,3 +302,5 @@ def test_serve_a_weight_reload_over_http_drops_the_donors_of_before(tmp_path, pl
         assert cold != old  # the weights did change
         assert served == cold
         assert "the model's weights were updated" in srv.log_text()
+    if plugins == "none":  # its load_weights unseen: donors never left the process
+        assert "VLLM_PLUGINS leaves out the 'semshare' plugin" in srv.log_text()

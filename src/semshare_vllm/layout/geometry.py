@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from semshare_vllm.core.files import file_stats, hub_snapshot
+from semshare_vllm.vllm_compat import weight_updates
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         fp,
         reason,
         exact_only,
-        unidentified_weights(identity, vllm_config.model_config),
+        unidentified_weights(identity, vllm_config.model_config)
+        or weight_updates.plugin_left_out(),
     )
 
 

@@ -30,11 +30,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 
 from semshare_vllm.vllm_compat import on_import
 
 logger = logging.getLogger("vllm.semshare")
 
+PLUGIN = "semshare"  # our vllm.general_plugins entry point's name (pyproject.toml)
 WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
 # ``reset_weights`` zeroes them (0.33's ``/weight_checker`` "reset"), a sync follows
 METHODS = ("reload_weights", "update_weights", "finish_weight_update", "reset_weights")
@@ -87,6 +89,21 @@ def _wrap_worker(module) -> None:
                 *WORKER,
                 name,
             )
+
+
+def plugin_left_out() -> str | None:
+    """Why the model's ``load_weights`` will go unseen in this engine, or None: vLLM loads our
+    plugin (the entry point ``PLUGIN``, which wraps the model as it loads) unless
+    ``VLLM_PLUGINS`` lists plugins without it. Such an engine persists and shares nothing
+    (``KVGeometry.local_only``): a sync through ``load_weights`` would otherwise leave donors of
+    other weights under the checkpoint's fingerprint."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None or PLUGIN in allowed.split(","):
+        return None
+    return (
+        f"VLLM_PLUGINS leaves out the {PLUGIN!r} plugin: weight updates through the model's "
+        "load_weights are not seen"
+    )
 
 
 def install() -> None:

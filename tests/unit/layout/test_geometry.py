@@ -285,3 +285,25 @@ def test_context_parallelism_is_declined(model_dir, name):
     assert g.unsupported and "context parallel" in g.unsupported
     setattr(config.parallel_config, name, 1)
     assert kv_geometry(config, kv_cache_config()).unsupported is None
+
+
+def test_an_engine_whose_plugins_leave_ours_out_never_lets_donors_leave_the_process(
+    model_dir, monkeypatch
+):
+    """``VLLM_PLUGINS`` without our plugin: the model's ``load_weights`` goes unseen (the
+    plugin wraps the model as it loads), so a training loop's sync through it would leave
+    donors of other weights under the checkpoint's fingerprint (the second review). Such an
+    engine persists and shares nothing; with our plugin listed, or no list, it does."""
+    from importlib.metadata import entry_points
+
+    from semshare_vllm.vllm_compat import weight_updates
+
+    (ours,) = [e for e in entry_points(group="vllm.general_plugins") if "semshare" in e.value]
+    assert ours.name == weight_updates.PLUGIN
+    monkeypatch.setenv("VLLM_PLUGINS", "none")
+    reason = local_only(model_dir)
+    assert reason and "VLLM_PLUGINS" in reason
+    monkeypatch.setenv("VLLM_PLUGINS", f"other,{weight_updates.PLUGIN}")
+    assert local_only(model_dir) is None
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert local_only(model_dir) is None
