@@ -120,10 +120,11 @@ class SemShareConnectorMetadata(KVConnectorMetadata):
     # step's forward (``vllm_compat.prompt_logprobs.restart_rows``).
     restart_logprob_rows: list[str] = field(default_factory=list)
     # vLLM reset the connector (``reset_prefix_cache(reset_connector=True)``: its pause and
-    # sleep, around weight updates): the worker drops every donor it holds (the step's evictions,
-    # every donor the scheduler knew, with their files) and every capture in flight, frees the
-    # blocks of this step's captures without keeping them (their KV was computed before the
-    # reset), and persists and shares nothing from then on.
+    # sleep, around weight updates), or the worker reported the weights updated: the worker
+    # drops every donor it holds (the step's evictions, every donor the scheduler knew, with
+    # their files) and every capture in flight, frees the blocks of this step's captures
+    # without keeping them (their KV was computed before the reset), and persists and shares
+    # nothing from then on.
     reset: bool = False
     # vLLM got back the blocks it held for captures (``vllm_compat.prefix_cache_reset``): the
     # worker copies every capture, this step's and those in flight, before the step writes

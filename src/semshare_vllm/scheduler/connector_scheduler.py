@@ -157,8 +157,8 @@ class SemShareScheduler:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            state = self.requests[request.request_id] = RequestState(request.request_id)
-            state.epoch = self._epoch
+            state = RequestState(request.request_id, epoch=self._epoch)
+            self.requests[request.request_id] = state
         return state
 
     # ---- a request arrives --------------------------------------------------------------------

@@ -159,9 +159,7 @@ def make_repairer(
         if model is None:
             raise UnsupportedModel(
                 "the plugin hook saw no model load (model runners wrapped: "
-                f"{', '.join(model_hook.installed()) or 'none'}; is the semshare plugin in "
-                "VLLM_PLUGINS?), and weight updates through the model's own load_weights go "
-                "unseen: reset the connector after one"
+                f"{', '.join(model_hook.installed()) or 'none'})"
             )
         return Repairer(
             LayerRunner(
