@@ -117,7 +117,11 @@ def _load(model_dir: str, sketch_dim: int | None) -> EmbeddingTable:
 
 
 def _to_f32(t) -> np.ndarray:
-    return t.float().numpy()  # torch reads bf16 / fp16 tensors, numpy cannot
+    import torch
+
+    # torch reads bf16 / fp16 tensors, numpy cannot; always a copy: safetensors hands out views
+    # of its memory map of the checkpoint, which a trainer may rewrite in place (SIGBUS)
+    return t.to(torch.float32, copy=True).numpy()
 
 
 def _rope_base(root: Path) -> float:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
@@ -130,8 +130,9 @@ def read_header(path: Path) -> DonorHeader:
 def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
     """Load a donor file and verify its checksum."""
     header = read_header(path)
-    try:
-        pages = load_file(str(path))["pages"]
+    try:  # read into memory, not mapped: a file rewritten in place after the checksum would
+        # change the pages, or cut short kill the process (SIGBUS)
+        pages = load(path.read_bytes())["pages"]
     except Exception as exc:  # safetensors raises its own error types
         raise CorruptDonorFile(f"{path}: {exc}") from exc
     if checksum(pages) != header.checksum:

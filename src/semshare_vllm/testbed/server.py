@@ -39,6 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOG_TAIL_LINES = 60
+
+
 class VllmServer:
     """``vllm serve MODEL`` in its own process group; use as a context manager."""
 
@@ -138,8 +141,12 @@ class VllmServer:
     def __enter__(self) -> "VllmServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if exc_type is not None and self.log_path is not None:
+            # CI shows a test's stderr, not the files it left: the server's side of a failure
+            tail = self.log_text().splitlines()[-LOG_TAIL_LINES:]
+            print(f"--- last lines of {self.log_path} ---", *tail, sep="\n", file=sys.stderr)
 
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""

@@ -313,3 +313,38 @@ def test_rope_far_positions_match_the_kept_table():
     assert torch.allclose(got.double(), want, atol=1e-5)
     near = rope_rotate(x[:1], np.array([5]), 1e4)  # the kept table gives the same
     assert torch.allclose(near, got[:1], atol=1e-6)
+
+
+_REWRITTEN_CHECKPOINT = """
+import sys
+from pathlib import Path
+import numpy as np, torch
+from safetensors.torch import save_file
+from semshare_vllm.alignment import EmbeddingTable
+
+root = Path(sys.argv[1])
+path = root / "model.safetensors"
+save_file({"model.embed_tokens.weight": torch.randn(4096, 64)}, str(path))
+table = EmbeddingTable.load(root)
+before = table.rows(np.arange(4096)).copy()
+open(path, "wb").close()  # a trainer starts writing new weights over it
+assert np.array_equal(table.rows(np.arange(4096)), before)
+print("whole")
+"""
+
+
+def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path):
+    """Training loops write new weights over the served checkpoint, then ``reload_weights``. The
+    table was a view of the file's memory map (safetensors maps what it reads): the file cut
+    short, the next alignment died of SIGBUS and took the engine core with it (a CI run of the
+    weight-reload serve test). Run in a child process, as the failure is a signal."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REWRITTEN_CHECKPOINT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)

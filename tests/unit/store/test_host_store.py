@@ -154,3 +154,35 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         donor_file.write(tmp_path / "x.tp0of1.safetensors", "", "x", [1], LAYERS, "L", pages(1))
     assert os.listdir(tmp_path) == []
+
+
+_REWRITTEN_DONOR = """
+import sys
+from pathlib import Path
+import torch
+from semshare_vllm.store import donor_file
+
+path = Path(sys.argv[1]) / "d.tp0of1.safetensors"
+pages = torch.randn(2, 64, 2, 4, 16)
+donor_file.write(path, "", "d", list(range(256)), ["a", "b"], "CPU_ATTN/vec/8", pages)
+_, read = donor_file.read(path)
+open(path, "wb").close()  # a file copied over it in place (cp, rsync --inplace)
+assert torch.equal(read, pages)
+print("whole")
+"""
+
+
+def test_a_donor_read_is_its_own_memory(tmp_path):
+    """Pages read from a donor file were a view of its memory map: a file rewritten in place
+    after its checksum was verified changed the served KV, or, cut short, killed the worker
+    with SIGBUS. Run in a child process, as the failure is a signal."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REWRITTEN_DONOR, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)
