@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from semshare_vllm.core.tensor_files import open_tensors
+
 # Names the input embedding goes by in Llama / Mistral / Qwen / Gemma, GPT-2 / NeoX, BLOOM.
 _EMBEDDING_NAMES = (
     "embed_tokens.weight",
@@ -80,12 +82,10 @@ _lock = threading.Lock()
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(model_dir: str, sketch_dim: int | None) -> EmbeddingTable:
-    from safetensors import safe_open
-
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_tensors(path) as f:
             name = next((k for k in f.keys() if k.endswith(_EMBEDDING_NAMES)), None)
             if name is None:
                 continue
@@ -119,8 +119,8 @@ def _load(model_dir: str, sketch_dim: int | None) -> EmbeddingTable:
 def _to_f32(t) -> np.ndarray:
     import torch
 
-    # torch reads bf16 / fp16 tensors, numpy cannot; always a copy: safetensors hands out views
-    # of its memory map of the checkpoint, which a trainer may rewrite in place (SIGBUS)
+    # torch reads bf16 / fp16 tensors, numpy cannot; a copy also of fp32, which a safetensors
+    # before 0.8 hands out as a view of its map of the checkpoint (core/tensor_files.py)
     return t.to(torch.float32, copy=True).numpy()
 
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save_file
+from safetensors.torch import save_file
+
+from semshare_vllm.core.tensor_files import load_tensors
 
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
@@ -130,9 +132,8 @@ def read_header(path: Path) -> DonorHeader:
 def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
     """Load a donor file and verify its checksum."""
     header = read_header(path)
-    try:  # read into memory, not mapped: a file rewritten in place after the checksum would
-        # change the pages, or cut short kill the process (SIGBUS)
-        pages = load(path.read_bytes())["pages"]
+    try:  # not mapped: the checksum holds for exactly the pages returned
+        pages = load_tensors(path)["pages"]
     except Exception as exc:  # safetensors raises its own error types
         raise CorruptDonorFile(f"{path}: {exc}") from exc
     if checksum(pages) != header.checksum:

@@ -317,6 +317,16 @@ def test_rope_far_positions_match_the_kept_table():
 
 _REWRITTEN_CHECKPOINT = """
 import sys
+import safetensors, safetensors.torch
+if sys.argv[2] == "before-0.8":  # no backend argument: what an older safetensors offers
+    def without_backend(original):
+        def call(*args, backend=None, **kwargs):
+            if backend is not None:
+                raise TypeError("unexpected keyword argument 'backend'")
+            return original(*args, **kwargs)
+        return call
+    safetensors.torch.load_file = without_backend(safetensors.torch.load_file)
+    safetensors.safe_open = without_backend(safetensors.safe_open)
 from pathlib import Path
 import numpy as np, torch
 from safetensors.torch import save_file
@@ -333,7 +343,8 @@ print("whole")
 """
 
 
-def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path):
+@pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])
+def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path, safetensors_version):
     """Training loops write new weights over the served checkpoint, then ``reload_weights``. The
     table was a view of the file's memory map (safetensors maps what it reads): the file cut
     short, the next alignment died of SIGBUS and took the engine core with it (a CI run of the
@@ -342,7 +353,7 @@ def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-c", _REWRITTEN_CHECKPOINT, str(tmp_path)],
+        [sys.executable, "-c", _REWRITTEN_CHECKPOINT, str(tmp_path), safetensors_version],
         capture_output=True,
         text=True,
         timeout=120,

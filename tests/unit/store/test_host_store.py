@@ -158,6 +158,16 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
 _REWRITTEN_DONOR = """
 import sys
+import safetensors, safetensors.torch
+if sys.argv[2] == "before-0.8":  # no backend argument: what an older safetensors offers
+    def without_backend(original):
+        def call(*args, backend=None, **kwargs):
+            if backend is not None:
+                raise TypeError("unexpected keyword argument 'backend'")
+            return original(*args, **kwargs)
+        return call
+    safetensors.torch.load_file = without_backend(safetensors.torch.load_file)
+    safetensors.safe_open = without_backend(safetensors.safe_open)
 from pathlib import Path
 import torch
 from semshare_vllm.store import donor_file
@@ -172,7 +182,8 @@ print("whole")
 """
 
 
-def test_a_donor_read_is_its_own_memory(tmp_path):
+@pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])
+def test_a_donor_read_is_its_own_memory(tmp_path, safetensors_version):
     """Pages read from a donor file were a view of its memory map: a file rewritten in place
     after its checksum was verified changed the served KV, or, cut short, killed the worker
     with SIGBUS. Run in a child process, as the failure is a signal."""
@@ -180,7 +191,7 @@ def test_a_donor_read_is_its_own_memory(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-c", _REWRITTEN_DONOR, str(tmp_path)],
+        [sys.executable, "-c", _REWRITTEN_DONOR, str(tmp_path), safetensors_version],
         capture_output=True,
         text=True,
         timeout=120,
