@@ -217,17 +217,25 @@ class OnnxEmbedder(Embedder):
         opts.intra_op_num_threads = self.threads or (1 if self.device == "cpu" else 0)
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception:  # a crash cut the cached export short: made again, once
+            logger.warning(
+                "SemShare: the cached ONNX export %s is unreadable; exporting again", path
+            )
+            path = onnx_export(self.model_dir, again=True)
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
         self.dim = self.session.get_outputs()[0].shape[-1]
 
     def _encode(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
 
 
-def onnx_export(model_dir: Path) -> Path:
+def onnx_export(model_dir: Path, again: bool = False) -> Path:
     """The ONNX graph of ``model_dir``'s encoder with mean pooling and L2 normalisation inside,
-    exported once and cached (keyed by the weights' digest; atomic rename, so concurrent
-    processes never see a half-written file)."""
+    exported once and cached (keyed by the weights' digest; written, synced to disk, then
+    renamed, so concurrent processes and a crash never leave a half-written file). ``again``:
+    export even though a file is cached (one found unreadable)."""
     from semshare_vllm.config import cache_dir
 
     weights = model_dir / "model.safetensors"
@@ -236,7 +244,7 @@ def onnx_export(model_dir: Path) -> Path:
         digest.update(f.read(1 << 20))
     digest.update(str(weights.stat().st_size).encode())
     out = cache_dir() / "onnx" / f"{model_dir.name}-{digest.hexdigest()}-pooled.onnx"
-    if out.is_file():
+    if out.is_file() and not again:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     _export(model_dir, out)
@@ -282,6 +290,8 @@ def _export(model_dir: Path, out: Path) -> None:
                     "embedding": {0: "batch"},
                 },
             )
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # on disk before its name is: never a short file after a crash
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

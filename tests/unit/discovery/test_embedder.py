@@ -77,3 +77,17 @@ def test_onnx_export_is_cached(onnx):
     again = OnnxEmbedder(onnx.model_dir, device="cpu")
     assert path.stat().st_mtime_ns == before  # exported once, reused
     assert float(again.embed(TEXTS[0]).vector @ onnx.embed(TEXTS[0]).vector) > 0.99999
+
+
+def test_a_broken_cached_export_is_made_again(onnx, tmp_path, monkeypatch):
+    """A crash can leave the cached export empty or cut short (renamed before it reached the
+    disk); every start-up after it then ran without semantic discovery until someone deleted
+    the file. It is exported again."""
+    good = onnx_export(onnx.model_dir)
+    monkeypatch.setenv("SEMSHARE_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "onnx" / good.name
+    broken.parent.mkdir()
+    broken.write_bytes(good.read_bytes()[: good.stat().st_size // 3])
+    again = OnnxEmbedder(onnx.model_dir, device="cpu")
+    assert broken.stat().st_size == good.stat().st_size
+    assert float(again.embed(TEXTS[0]).vector @ onnx.embed(TEXTS[0]).vector) > 0.99999
