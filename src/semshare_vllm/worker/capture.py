@@ -52,6 +52,13 @@ class Captures:
 
     def take(self, spec: CaptureSpec) -> None:
         """Allocate the donor's pool blocks; the copy starts after the forward (``start``)."""
+        if spec.key in self.jobs:
+            # The same tokens again in this step (the scheduler evicted the donor and a sibling
+            # made it anew): the same KV, copied once. Its request is released now; replacing
+            # the first job instead would never report that one, and vLLM would keep its
+            # blocks for good (and stop preempting while a capture is pending).
+            self.report.finished_sending.add(spec.req_id)
+            return
         try:
             if self.kv is None:
                 raise DonorUnavailable(self.off)

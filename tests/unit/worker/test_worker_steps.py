@@ -446,3 +446,75 @@ def test_before_sleep_unmaps_the_kv_cache_no_capture_copy_is_running(monkeypatch
     w.wait_for_copies()
     assert w.captures.jobs[key].copy.done()
     assert w.get_finished(set()) == ({"s"}, None) and key in w.kv.store
+
+
+def test_two_captures_of_one_donor_in_a_step_release_both_requests(monkeypatch):
+    """Two finished requests of the same tokens (greedy siblings, a repeated prompt) can both be
+    captured in one step, when the donor the first made was evicted from the catalog before the
+    second came. The second capture replaced the first in the worker: the first request was
+    never reported in ``finished_sending``, so vLLM kept its blocks and, with a capture pending
+    forever, stopped preempting (review)."""
+    w = registered_worker(monkeypatch)
+    key = DonorKey("", "d")
+    w.start_load_kv(
+        SemShareConnectorMetadata(
+            captures=[
+                CaptureSpec("A", key, list(range(40)), [1, 2]),
+                CaptureSpec("B", key, list(range(40)), [3, 4]),
+            ]
+        )
+    )
+    w.start_captures()
+    w.flush_captures()
+    released, _ = w.get_finished({"A", "B"})
+    assert released == {"A", "B"}
+    assert w.stats.totals.get("captured_donors") == 1  # the same KV, kept once
+    assert w.kv.store.blocks(key)
+
+
+def test_a_donor_evicted_and_made_again_in_one_step_leaves_no_capture_pending(monkeypatch):
+    """The same through the scheduler half: A makes donor K, X's donor evicts K from a full
+    store, B (A's tokens) makes K again, all before one step; every request is released and
+    none is left pending (``has_pending_block_frees``: vLLM's scheduler stops preempting while
+    it is true)."""
+    from types import SimpleNamespace
+
+    from support.worker import geometry
+
+    from semshare_vllm.config import SemShareConfig
+    from semshare_vllm.metadata import SemShareWorkerMetadata
+    from semshare_vllm.scheduler import SemShareScheduler
+
+    def output(finished=None, meta=None):
+        return SimpleNamespace(
+            finished_sending=finished, invalid_block_ids=None, kv_connector_worker_meta=meta
+        )
+
+    g = geometry()
+    s = SemShareScheduler(SemShareConfig(embedder="none"), g)
+    w = registered_worker(monkeypatch)
+    room = SemShareWorkerMetadata(capacity_bytes=g.donor_bytes(40) + 1)  # one donor's room
+    s.update_connector_output(output(meta=room))
+    a, x = list(range(1, 42)), list(range(500, 541))
+    for rid, tokens, blocks in (("A", a, [1, 2]), ("X", x, [3, 4]), ("B", a, [5, 6])):
+        request = SimpleNamespace(
+            request_id=rid,
+            prompt_token_ids=tokens[:-1],
+            all_token_ids=tokens,
+            num_tokens=41,
+            num_prompt_tokens=40,
+            num_output_tokens=1,
+            cache_salt=None,
+            num_computed_tokens=40,
+        )
+        assert s.request_finished(request, blocks)[0]  # vLLM keeps its blocks for the capture
+    released = set()
+    for _ in range(3):
+        w.start_load_kv(s.build_connector_meta(None))
+        w.start_captures()
+        w.flush_captures()
+        finished, _ = w.get_finished(set())
+        released |= finished or set()
+        s.update_connector_output(output(finished, w.build_worker_meta()))
+    assert released == {"A", "X", "B"}
+    assert not s.has_pending_block_frees()
