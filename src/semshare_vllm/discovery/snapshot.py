@@ -27,6 +27,7 @@ logger = logging.getLogger("vllm.semshare.snapshot")
 VERSION = 1
 FILENAME = f"discovery.v{VERSION}.npz"
 _TMP_PREFIX = ".discovery."
+STALE_TMP_S = 3600.0  # a temporary file this old was left by a killed writer
 
 
 @dataclass
@@ -101,8 +102,12 @@ def load_snapshot(directory: str | Path, embedder_id: str) -> dict[tuple[str, st
     """The entries of the snapshot in ``directory`` by (namespace, donor id); empty when there is
     none, or it is unreadable or from another embedder (logged)."""
     directory = Path(directory)
-    for stray in directory.glob(f"{_TMP_PREFIX}*.tmp"):  # a writer killed mid-write
-        stray.unlink(missing_ok=True)
+    for stray in directory.glob(f"{_TMP_PREFIX}*.tmp"):  # a writer killed mid-write, long ago
+        try:  # (not another instance's, writing now)
+            if time.time() - stray.stat().st_mtime > STALE_TMP_S:
+                stray.unlink()
+        except OSError:
+            pass
     path = directory / FILENAME
     if not path.is_file():
         return {}

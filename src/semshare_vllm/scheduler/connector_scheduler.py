@@ -148,7 +148,15 @@ class SemShareScheduler:
                 geometry.local_only,
             )
         if root is not None:
-            restore(root, geometry, self.catalog, self.search, self.stats)
+            try:
+                restore(root, geometry, self.catalog, self.search, self.stats)
+            except Exception:  # files are others' too: never a reason not to start
+                logger.warning(
+                    "SemShare: restoring the donors persisted in %s stopped; serving those "
+                    "read so far",
+                    root,
+                    exc_info=True,
+                )
 
     @property
     def index(self) -> DonorIndex:

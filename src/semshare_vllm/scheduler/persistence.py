@@ -38,7 +38,7 @@ def restore(
         return
     _remove_partials(root, stats)
     tp = geometry.tp_size
-    files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    files = sorted(root.glob(f"*.tp0of{tp}{donor_file.SUFFIX}"), key=_mtime)
     for path in files:
         try:
             header = donor_file.read_header(path)
@@ -49,7 +49,8 @@ def restore(
                 or list(geometry.layer_names) != header.layer_names
             ):
                 raise donor_file.CorruptDonorFile(f"{path}: identity does not match contents")
-        except donor_file.CorruptDonorFile as exc:
+        except (donor_file.CorruptDonorFile, ValueError, TypeError) as exc:  # (a header's
+            # fields parse, but hold no token ids)
             warn_once(logger, "restore", "SemShare: skipping persisted donor: %s", exc)
             stats.add("persisted_skipped")
             continue
@@ -129,3 +130,12 @@ class Snapshots:
             )
 
         return self.search.discovery.write_snapshot(write)
+
+
+def _mtime(path: Path) -> float:
+    """Oldest first; a file gone since the listing (another instance evicted it) sorts first
+    and is skipped as unreadable."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -74,3 +74,21 @@ def test_kill_9_during_writes_leaves_a_whole_snapshot(tmp_path):
                 loaded[(e.namespace, e.donor_id)].embedding.segments, e.embedding.segments
             )
         assert not list(tmp_path.glob(".discovery.*"))  # strays cleaned at load
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
+    """Instances sharing a directory: one starting up removed the temporary file another was
+    writing its snapshot to, whose rename then failed. Only files a killed writer left long ago
+    are removed."""
+    import os
+
+    from semshare_vllm.discovery import snapshot
+
+    live = tmp_path / f"{snapshot._TMP_PREFIX}live.tmp"
+    old = tmp_path / f"{snapshot._TMP_PREFIX}old.tmp"
+    live.write_bytes(b"being written")
+    old.write_bytes(b"left by a killed writer")
+    long_ago = time.time() - 2 * snapshot.STALE_TMP_S
+    os.utime(old, (long_ago, long_ago))
+    assert load_snapshot(tmp_path, "emb-1") == {}
+    assert live.exists() and not old.exists()

@@ -419,3 +419,25 @@ def test_a_fault_ageing_unconfirmed_loads_never_reaches_vllms_schedule(monkeypat
     monkeypatch.setattr(s.load_watch, "age_unconfirmed", broken)
     assert s.build_connector_meta(None).loads == []
     assert s.stats.totals["fallbacks"] == 1
+
+
+def test_start_up_skips_a_file_that_vanishes_or_lies_in_its_header(tmp_path):
+    """Start-up restores what it can and never stops on a file: one another instance sharing the
+    directory deleted between the listing and its read (here a dangling link), one whose header
+    parses but holds no token ids. Either stopped the scheduler half, and vLLM with it, on every
+    restart (review)."""
+    root = tmp_path / "fp"
+    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
+    good = list(range(64))
+    good_id = donor_id_for("ns", good)
+    donor_file.write(
+        donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good, list(LAYERS), "L", kv
+    )
+    words = donor_file.donor_path(root, "1" * 32, 0, 1)
+    donor_file.write(words, "ns", "1" * 32, ["not", "token", "ids"], list(LAYERS), "L", kv)
+    (root / f"{'2' * 32}.tp0of1.safetensors").symlink_to(root / "deleted.safetensors")
+
+    s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
+    assert s.stats.totals["donors_restored"] == 1
+    assert s.stats.totals["persisted_skipped"] == 2
+    assert s.get_num_new_matched_tokens(request("t", good + [1], salt="ns"), 0) == (64, False)
