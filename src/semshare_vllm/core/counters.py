@@ -66,6 +66,8 @@ COUNTERS: dict[str, str] = {
     "another (every rank reports the same blocks)",
     "captured_tokens": "tokens copied out of the paged KV cache into the host store",
     "captured_donors": "donors captured",
+    "persist_backlog_skipped": "captured donors not written to persist_dir: the writes queued "
+    "already held PERSIST_BACKLOG_FRACTION of the host store (a disk slower than the captures)",
     "weight_updates": "steps that found the model's weights updated in place since the last "
     "(reload_weights, update_weights, reset_weights, the model's load_weights): every donor "
     "of before dropped",

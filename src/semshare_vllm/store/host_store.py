@@ -64,6 +64,11 @@ def fit_to_memory(budget: int, tp_size: int = 1) -> int:
     return budget
 
 
+# Donor copies queued for the disk may hold at most this share of the host store's bytes: a
+# disk slower than the captures would otherwise grow the worker's memory until it is killed.
+PERSIST_BACKLOG_FRACTION = 0.25
+
+
 class DonorUnavailable(RuntimeError):
     """The donor is neither in memory nor readable from disk."""
 
@@ -105,6 +110,8 @@ class HostKVStore(DonorKVStore):
         self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
         self._writing: set[DonorKey] = set()  # allocated, their copy in flight: never victims
         self._disk_q: queue.Queue | None = None
+        self._queued_bytes = 0  # donor copies waiting for the disk (PERSIST_BACKLOG_FRACTION)
+        self._queued_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         if persist_root is not None:
             persist_root.mkdir(parents=True, exist_ok=True)
@@ -258,9 +265,18 @@ class HostKVStore(DonorKVStore):
         return (self.pool.shape[1] - len(self._free)) * self.block_bytes
 
     # ---- disk (any thread may queue; one writer thread executes in order) ---------------------
+    def persist_room(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` may join the writes queued for the disk (one always may
+        when none is queued)."""
+        with self._queued_lock:
+            queued = self._queued_bytes
+        return queued == 0 or queued + nbytes <= PERSIST_BACKLOG_FRACTION * self.capacity_bytes
+
     def persist(self, key: DonorKey, token_ids: list[int], pages: torch.Tensor) -> None:
         """Queue a write of the donor's pages (a tensor the caller no longer changes)."""
         if self._disk_q is not None and self.persist_root is not None:
+            with self._queued_lock:
+                self._queued_bytes += _nbytes(pages)
             self._disk_q.put(("write", key, token_ids, pages))
 
     def _path(self, key: DonorKey) -> Path | None:
@@ -297,6 +313,9 @@ class HostKVStore(DonorKVStore):
                     exc_info=True,
                 )
             finally:
+                if op is not None and op[0] == "write":
+                    with self._queued_lock:
+                        self._queued_bytes -= _nbytes(op[3])
                 self._disk_q.task_done()
 
     def flush(self) -> None:
@@ -309,3 +328,7 @@ class HostKVStore(DonorKVStore):
             self._disk_q.put(None)
             self._writer.join(timeout=30)
             self._disk_q = None
+
+
+def _nbytes(pages: torch.Tensor) -> int:
+    return pages.numel() * pages.element_size()

@@ -38,6 +38,7 @@ class CaptureJob:
     spec: CaptureSpec
     pool_blocks: list[int]  # the donor's blocks in the host store's pool
     copy: Future | None = None  # on the capture thread; None: not started yet
+    persist_skipped: bool = False  # set on the capture thread (the disk's backlog was full)
 
 
 class Captures:
@@ -102,7 +103,10 @@ class Captures:
             if pool.is_pinned():
                 torch.cuda.current_stream().synchronize()  # the D2H copies were asynchronous
             if kv.store.persist_root is not None:
-                kv.store.persist(spec.key, spec.token_ids, pool[:, job.pool_blocks])  # a copy
+                if kv.store.persist_room(len(job.pool_blocks) * kv.store.block_bytes):
+                    kv.store.persist(spec.key, spec.token_ids, pool[:, job.pool_blocks])  # a copy
+                else:  # the disk is behind: this donor stays memory-only
+                    job.persist_skipped = True
             rows = None
             if kv.tier is not None:
                 n = len(spec.token_ids)
@@ -137,6 +141,14 @@ class Captures:
             self.stats.add("captured_donors")
             self.stats.add("captured_tokens", len(job.spec.token_ids))
             self.stats.add("capture_ms", ms)
+            if job.persist_skipped:
+                self.stats.add("persist_backlog_skipped")
+                warn_once(
+                    logger,
+                    "persist_backlog",
+                    "SemShare: persist_dir's disk is behind the captures; donors past its "
+                    "backlog stay memory-only (counted as persist_backlog_skipped)",
+                )
             if rows is not None:
                 self.kv.tier.put_later(key, job.spec.token_ids, rows)
 

@@ -197,3 +197,37 @@ def test_a_donor_read_is_its_own_memory(tmp_path, safetensors_version):
         timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)
+
+
+def test_a_disk_slower_than_the_captures_bounds_the_writes_queued(tmp_path, monkeypatch):
+    """Each persisted donor was queued as a copy of its pages, without limit: a disk slower than
+    the captures grew the worker's memory until it was killed (review: 199 of 200 writes queued,
+    +804 MiB beside a 64 MiB pool). Copies past PERSIST_BACKLOG_FRACTION of the store wait for
+    none: the donor stays memory-only, and the queue drains once the disk catches up."""
+    import threading
+
+    from semshare_vllm.store import host_store
+
+    gate = threading.Event()
+    written = []
+    write = donor_file.write
+
+    def slow_disk(path, *args):
+        gate.wait(timeout=30)
+        write(path, *args)
+        written.append(path.name)
+
+    monkeypatch.setattr(host_store.donor_file, "write", slow_disk)
+    s = store(16, persist_root=tmp_path)
+    one = pages(1)
+    limit = host_store.PERSIST_BACKLOG_FRACTION * s.capacity_bytes
+    queued = 0
+    for i in range(16):
+        if s.persist_room(s.block_bytes):
+            s.persist(DonorKey("", f"d{i}"), [i], one.clone())
+            queued += 1
+    assert queued == int(limit // s.block_bytes)  # 4 of 16 at a quarter of the store
+    gate.set()
+    s.flush()
+    assert len(written) == queued and s.persist_room(s.capacity_bytes)  # drained, empty again
+    s.close()

@@ -518,3 +518,30 @@ def test_a_donor_evicted_and_made_again_in_one_step_leaves_no_capture_pending(mo
         s.update_connector_output(output(finished, w.build_worker_meta()))
     assert released == {"A", "X", "B"}
     assert not s.has_pending_block_frees()
+
+
+def test_captures_past_the_disks_backlog_stay_memory_only(monkeypatch, tmp_path):
+    """With persist_dir on a disk that has stopped keeping up, captures go on (every request
+    released, every donor kept in memory) and the copies queued for the disk stop growing."""
+    import threading
+
+    from semshare_vllm.store import host_store
+
+    gate = threading.Event()
+    monkeypatch.setattr(host_store.donor_file, "write", lambda *a: gate.wait(timeout=30))
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    store = w.kv.store
+    n = int(store.capacity_bytes // (2 * store.block_bytes))  # as many 2-block donors as fit
+    for i in range(n):
+        key = DonorKey("", f"d{i}")
+        spec = CaptureSpec(f"r{i}", key, list(range(i, i + 40)), [1, 2])
+        w.start_load_kv(SemShareConnectorMetadata(captures=[spec]))
+        w.start_captures()
+        w.flush_captures()
+        assert w.get_finished(set())[0] == {f"r{i}"}
+        assert store.blocks(key)
+    skipped = w.stats.totals.get("persist_backlog_skipped", 0)
+    assert 0 < skipped < n
+    assert store._queued_bytes <= host_store.PERSIST_BACKLOG_FRACTION * store.capacity_bytes
+    gate.set()
+    store.flush()
