@@ -97,11 +97,16 @@ class Captures:
         t0 = time.perf_counter()
         kv, spec = self.kv, job.spec
         pool = kv.store.pool
+        device = kv.stacks[0][1].device
+        if device.type == "cuda":
+            # A new thread's current device is 0: on another rank that is another GPU, whose
+            # stream the wait below would wait on (and a context opened there)
+            torch.cuda.set_device(device)
         with torch.inference_mode():
             for layers, stack in kv.stacks:
                 kv.layout.copy_blocks(stack, spec.block_ids, pool[layers], job.pool_blocks)
-            if pool.is_pinned():
-                torch.cuda.current_stream().synchronize()  # the D2H copies were asynchronous
+            if pool.is_pinned():  # the D2H copies were asynchronous, on this thread's stream
+                torch.cuda.current_stream(device).synchronize()
             if kv.store.persist_root is not None:
                 if kv.store.persist_room(len(job.pool_blocks) * kv.store.block_bytes):
                     kv.store.persist(spec.key, spec.token_ids, pool[:, job.pool_blocks])  # a copy

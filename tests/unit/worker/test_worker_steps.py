@@ -545,3 +545,47 @@ def test_captures_past_the_disks_backlog_stay_memory_only(monkeypatch, tmp_path)
     assert store._queued_bytes <= host_store.PERSIST_BACKLOG_FRACTION * store.capacity_bytes
     gate.set()
     store.flush()
+
+
+def test_a_capture_on_another_ranks_gpu_waits_for_its_own_copies(monkeypatch):
+    """On CUDA the capture's copies into the pinned pool are asynchronous, issued on the capture
+    thread's stream of the cache's device. That thread's current device is 0: rank 3 waited on
+    GPU 0's stream, so its donor could be marked written before its copies landed (review;
+    read from the code, no GPU here). Checked with CPU stand-ins for the device calls."""
+    from types import SimpleNamespace
+
+    from semshare_vllm.worker.capture import CaptureJob, Captures
+
+    calls = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            calls.append(("synchronize", self.device))
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: Stream(d))
+    gpu3 = torch.device("cuda", 3)
+    kv = SimpleNamespace(
+        stacks=[(slice(0, 2), SimpleNamespace(device=gpu3))],
+        layout=SimpleNamespace(copy_blocks=lambda *a: calls.append(("copy",))),
+        store=SimpleNamespace(pool=_PinnedPool(), persist_root=None),
+        tier=None,
+    )
+    captures = Captures.__new__(Captures)
+    captures.kv = kv
+    spec = CaptureSpec("a", DonorKey("", "d"), list(range(40)), [1, 2])
+    captures._copy_out(CaptureJob(spec, [5, 6]))
+    assert calls == [("set_device", gpu3), ("copy",), ("synchronize", gpu3)]
+
+
+class _PinnedPool:
+    """A pinned pool's stand-in: indexing gives itself."""
+
+    def __getitem__(self, _):
+        return self
+
+    def is_pinned(self):
+        return True
