@@ -61,6 +61,11 @@ def sentence_vectors(
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-6)
 
 
+# Sentence pairs compared at most (the similarity matrix: 64 MB): prose of 32K tokens has about
+# 1,300 sentences a side; only short lines come near it.
+SENTENCE_MAX_PAIRS = 16_000_000
+
+
 def sentence_stage(
     builder: AlignmentBuilder,
     target: np.ndarray,
@@ -83,6 +88,8 @@ def sentence_stage(
     chosen = np.flatnonzero(free_share >= min_free)
     if not len(chosen):
         return 0
+    if len(chosen) * len(donor_vectors) > SENTENCE_MAX_PAIRS:
+        return 0  # short lines (logs, tables): thousands of "sentences" a side
     tv = sentence_vectors(table, target, t_starts[chosen], t_stops[chosen])
     sims = tv @ donor_vectors.T
     best = sims.argmax(axis=1)

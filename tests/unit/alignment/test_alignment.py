@@ -359,3 +359,32 @@ def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path, safete
         timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)
+
+
+def test_short_lines_do_not_make_the_sentence_stage_quadratic_in_memory():
+    """Prompts of short lines (logs, CSV rows, number lists) are thousands of "sentences" a
+    side; the stage compared every target sentence with every donor sentence at once (review:
+    a 2 GiB peak on the lookup thread at 32K tokens, ~30 GB projected at 128K). Past
+    SENTENCE_MAX_PAIRS the stage is skipped (the exact and edit stages still align)."""
+    import tracemalloc
+
+    from semshare_vllm.alignment import sentences
+
+    rng = np.random.default_rng(0)
+    small = EmbeddingTable(rng.standard_normal((1000, 64)).astype(np.float32), False, 10000.0)
+    n = 16_384  # 8,192 one-token lines a side ("<token>\n": token 0 ends each)
+    target = np.stack([rng.integers(1, 1000, n // 2), np.zeros(n // 2, int)], 1).ravel()
+    donor = np.stack([rng.integers(1, 1000, n // 2), np.zeros(n // 2, int)], 1).ravel()
+    assert (n // 2) ** 2 > sentences.SENTENCE_MAX_PAIRS
+    tracemalloc.start()
+    al = align(
+        target,
+        donor,
+        AlignParams(stages=("exact", "edit", "sentence")),
+        small,
+        SentenceSplitter([0]),
+    )
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert al.stage_counts.get("sentence", 0) == 0
+    assert peak < 100 * 2**20, peak
