@@ -68,6 +68,8 @@ COUNTERS: dict[str, str] = {
     "captured_donors": "donors captured",
     "persist_backlog_skipped": "captured donors not written to persist_dir: the writes queued "
     "already held PERSIST_BACKLOG_FRACTION of the host store (a disk slower than the captures)",
+    "tier_backlog_skipped": "captured donors not put in LMCache: the puts waiting already held "
+    "PERSIST_BACKLOG_FRACTION of the host store (a remote slower than the captures)",
     "weight_updates": "steps that found the model's weights updated in place since the last "
     "(reload_weights, update_weights, reset_weights, the model's load_weights): every donor "
     "of before dropped",

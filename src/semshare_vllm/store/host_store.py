@@ -64,8 +64,9 @@ def fit_to_memory(budget: int, tp_size: int = 1) -> int:
     return budget
 
 
-# Donor copies queued for the disk may hold at most this share of the host store's bytes: a
-# disk slower than the captures would otherwise grow the worker's memory until it is killed.
+# Donor copies queued for the disk may hold at most this share of the host store's bytes, and
+# so may rows waiting for LMCache (worker/tier.py): a disk or remote slower than the captures
+# would otherwise grow the worker's memory until it is killed.
 PERSIST_BACKLOG_FRACTION = 0.25
 
 

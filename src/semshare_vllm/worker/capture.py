@@ -38,7 +38,9 @@ class CaptureJob:
     spec: CaptureSpec
     pool_blocks: list[int]  # the donor's blocks in the host store's pool
     copy: Future | None = None  # on the capture thread; None: not started yet
-    persist_skipped: bool = False  # set on the capture thread (the disk's backlog was full)
+    # set on the capture thread: the disk's / LMCache's backlog was full
+    persist_skipped: bool = False
+    tier_skipped: bool = False
 
 
 class Captures:
@@ -107,13 +109,16 @@ class Captures:
                 kv.layout.copy_blocks(stack, spec.block_ids, pool[layers], job.pool_blocks)
             if pool.is_pinned():  # the D2H copies were asynchronous, on this thread's stream
                 torch.cuda.current_stream(device).synchronize()
+            nbytes = len(job.pool_blocks) * kv.store.block_bytes
             if kv.store.persist_root is not None:
-                if kv.store.persist_room(len(job.pool_blocks) * kv.store.block_bytes):
+                if kv.store.persist_room(nbytes):
                     kv.store.persist(spec.key, spec.token_ids, pool[:, job.pool_blocks])  # a copy
                 else:  # the disk is behind: this donor stays memory-only
                     job.persist_skipped = True
             rows = None
-            if kv.tier is not None:
+            if kv.tier is not None and not kv.tier.room(nbytes):
+                job.tier_skipped = True  # LMCache is behind: this donor stays in this instance
+            elif kv.tier is not None:
                 n = len(spec.token_ids)
                 rows = stage_rows(
                     pool, slots_for(job.pool_blocks, 0, n, kv.block_size), kv.store.offsets
@@ -153,6 +158,14 @@ class Captures:
                     "persist_backlog",
                     "SemShare: persist_dir's disk is behind the captures; donors past its "
                     "backlog stay memory-only (counted as persist_backlog_skipped)",
+                )
+            if job.tier_skipped:
+                self.stats.add("tier_backlog_skipped")
+                warn_once(
+                    logger,
+                    "tier_backlog",
+                    "SemShare: LMCache is behind the captures; donors past its backlog stay in "
+                    "this instance (counted as tier_backlog_skipped)",
                 )
             if rows is not None:
                 self.kv.tier.put_later(key, job.spec.token_ids, rows)

@@ -242,11 +242,13 @@ class SemShareWorker:
         self.captures.wait_copies()
 
     # ---- end ----------------------------------------------------------------------------------
-    def flush_captures(self) -> None:
-        """Wait for every capture in flight, and its tier put (tests, shutdown)."""
+    def flush_captures(self) -> bool:
+        """Wait for every capture in flight, and its tier put (tests, shutdown): whether the
+        puts all ended (they are waited for ``tier.FLUSH_TIMEOUT_S`` at most)."""
         self.captures.flush()
         if self.kv is not None and self.kv.tier is not None:
-            self.kv.tier.flush()
+            return self.kv.tier.flush()
+        return True
 
     def shutdown(self) -> None:
         # vLLM may call this twice (explicitly, then from a finalizer at exit): the second
@@ -254,10 +256,11 @@ class SemShareWorker:
         if self._closed:
             return
         self._closed = True
-        self.flush_captures()
+        puts_ended = self.flush_captures()
         self.captures.close()
         self.loads.close()
         if self.kv is not None:
             if self.kv.tier is not None:
-                self.kv.tier.close()
+                # a stalled remote is never waited on
+                self.kv.tier.close(cancel=not puts_ended, wait=puts_ended)
             self.kv.store.close()

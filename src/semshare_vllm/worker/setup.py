@@ -22,7 +22,7 @@ from semshare_vllm.layout.paged_cache import stack_layers
 from semshare_vllm.layout.specs import PageSpec, UnsupportedKVLayout, page_spec
 from semshare_vllm.recompute.layer_runner import LayerRunner, UnsupportedModel
 from semshare_vllm.store.donor_file import persist_root
-from semshare_vllm.store.host_store import HostKVStore, fit_to_memory
+from semshare_vllm.store.host_store import PERSIST_BACKLOG_FRACTION, HostKVStore, fit_to_memory
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.attention_layers import AttentionLayer, attention_layers
 from semshare_vllm.worker.repair import Repairer
@@ -71,7 +71,9 @@ def build(
     rank = tensor_parallel.tp_rank()
     store = make_store(config, geometry, layout, caches[0], rank)
     repairer = make_repairer(config, geometry, vllm_config, kv_caches, layout, caches[0], rank)
-    tier = make_tier(config, geometry, stats, rank)
+    # rows waiting for LMCache hold at most what the disk's writes may (the capture's copies)
+    backlog = int(PERSIST_BACKLOG_FRACTION * store.capacity_bytes)
+    tier = make_tier(config, geometry, stats, rank, backlog)
     return WorkerKV(caches, stacks, layout, geometry.block_size, store, tier, repairer)
 
 
@@ -177,7 +179,9 @@ def make_repairer(
         return None
 
 
-def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) -> Tier | None:
+def make_tier(
+    config: SemShareConfig, geometry: KVGeometry, stats, rank: int, backlog_bytes: int | None = None
+) -> Tier | None:
     """LMCache as the donors' second tier, when configured (and, with a shared index, the
     readiness marks other instances wait for). If it cannot be set up (the extra is not
     installed, a bad backend URL), this worker goes on with the host store alone."""
@@ -219,7 +223,7 @@ def make_tier(config: SemShareConfig, geometry: KVGeometry, stats, rank: int) ->
             tp_rank=rank,
             tp_size=g.tp_size,
         )
-        return Tier(build_store, stats, rank, marks)  # (built on the tier's thread)
+        return Tier(build_store, stats, rank, marks, backlog_bytes)  # (built on its thread)
     except Exception as exc:
         if marks is not None:
             with contextlib.suppress(Exception):

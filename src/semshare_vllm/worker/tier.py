@@ -11,8 +11,10 @@ only if its digest is the one its writer signed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 import torch
@@ -43,6 +45,11 @@ def _on_device(device: int | None, build: Callable[[], DonorKVStore]) -> DonorKV
     return build()
 
 
+# Shutdown waits this long at most for the puts in flight (a Redis that answers but does not
+# take writes makes each wait LMCache's own timeouts); the rest are dropped.
+FLUSH_TIMEOUT_S = 30.0
+
+
 class Tier:
     def __init__(
         self,
@@ -50,6 +57,7 @@ class Tier:
         stats: StatsRecorder,
         rank: int,
         ready_marks=None,
+        backlog_bytes: int | None = None,
     ):
         """``build_store`` makes the store (an ``LMCacheKVStore``); it runs on the tier's
         thread, so that the threads LMCache starts there (its storage manager's event loop,
@@ -63,6 +71,10 @@ class Tier:
         # the digest and the put, off the forward pass's cores (as the capture's copy)
         self._thread = connector_thread("semshare-tier")
         self._puts: list[Future] = []
+        # rows staged for puts not yet made: at most backlog_bytes (None: no bound)
+        self.backlog_bytes = backlog_bytes
+        self._queued_bytes = 0
+        self._queued_lock = threading.Lock()
         try:
             self.store = self._thread.submit(_on_device, _cuda_device(), build_store).result()
         except BaseException:
@@ -70,11 +82,27 @@ class Tier:
             raise
 
     # ---- put (after a capture) ----------------------------------------------------------------
+    def room(self, nbytes: int) -> bool:
+        """Whether rows of ``nbytes`` may join the puts waiting (one always may when none
+        waits): a slow or stalled remote must not grow the worker's memory without end."""
+        with self._queued_lock:
+            queued = self._queued_bytes
+        return self.backlog_bytes is None or queued == 0 or queued + nbytes <= self.backlog_bytes
+
     def put_later(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> None:
+        with self._queued_lock:
+            self._queued_bytes += rows.numel() * rows.element_size()
         self._puts.append(self._thread.submit(self._put, key, token_ids, rows))
 
     def _put(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
         """On the tier thread: milliseconds to a readable put, or None when it failed."""
+        try:
+            return self._put_now(key, token_ids, rows)
+        finally:
+            with self._queued_lock:
+                self._queued_bytes -= rows.numel() * rows.element_size()
+
+    def _put_now(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
         t0 = time.perf_counter()
         try:
             from semshare_vllm.catalog.shared_records import kv_digest
@@ -149,14 +177,25 @@ class Tier:
             )
 
     # ---- end ----------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Wait for every put in flight."""
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait for every put in flight, ``timeout_s`` at most: whether they all ended."""
+        deadline = time.monotonic() + timeout_s
         for future in list(self._puts):
-            future.result()
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                logger.warning(
+                    "SemShare: LMCache puts still pending after %.0f s; the rest are dropped",
+                    timeout_s,
+                )
+                return False
+        return True
 
-    def close(self, cancel: bool = False) -> None:
-        """``cancel``: puts not started yet are never made (a connector reset)."""
-        self._thread.shutdown(wait=True, cancel_futures=cancel)
+    def close(self, cancel: bool = False, wait: bool = True) -> None:
+        """``cancel``: puts not started yet are never made (a connector reset). ``wait``
+        False: nor is the put running waited for (a flush that timed out: a stalled remote);
+        it fails against the closed store."""
+        self._thread.shutdown(wait=wait, cancel_futures=cancel)
         self.store.close()
         if self.ready_marks is not None:
             self.ready_marks.close()

@@ -571,7 +571,7 @@ def test_a_capture_on_another_ranks_gpu_waits_for_its_own_copies(monkeypatch):
     kv = SimpleNamespace(
         stacks=[(slice(0, 2), SimpleNamespace(device=gpu3))],
         layout=SimpleNamespace(copy_blocks=lambda *a: calls.append(("copy",))),
-        store=SimpleNamespace(pool=_PinnedPool(), persist_root=None),
+        store=SimpleNamespace(pool=_PinnedPool(), persist_root=None, block_bytes=1),
         tier=None,
     )
     captures = Captures.__new__(Captures)
@@ -589,3 +589,42 @@ class _PinnedPool:
 
     def is_pinned(self):
         return True
+
+
+def test_a_stalled_lmcache_bounds_the_puts_waiting_and_never_holds_up_shutdown():
+    """A remote that answers but takes no writes (Redis at maxmemory) makes each put wait on
+    LMCache's timeouts. The rows of every donor were queued without limit (review: +163 MiB for
+    40 puts), and shutdown waited for all of them (40 s at 1 s a put). Rows past the backlog
+    are not staged, and shutdown waits ``FLUSH_TIMEOUT_S`` at most, then drops the rest."""
+    import threading
+    import time
+
+    from semshare_vllm.core.counters import StatsRecorder
+    from semshare_vllm.worker.tier import Tier
+
+    stalled = threading.Event()
+
+    class StalledStore:
+        dtype = torch.float32
+
+        def put(self, key, token_ids, rows):
+            stalled.wait(timeout=60)
+            return False
+
+        def close(self):
+            pass
+
+    rows = torch.zeros(2, 64, 2, 64)
+    size = rows.numel() * rows.element_size()
+    tier = Tier(StalledStore, StatsRecorder(), rank=0, backlog_bytes=4 * size)
+    queued = 0
+    for i in range(40):
+        if tier.room(size):
+            tier.put_later(DonorKey("", f"d{i}"), [i], rows.clone())
+            queued += 1
+    assert queued == 4
+    t0 = time.monotonic()
+    assert tier.flush(timeout_s=0.5) is False
+    tier.close(cancel=True, wait=False)  # what shutdown does after a flush that timed out
+    stalled.set()
+    assert time.monotonic() - t0 < 30
