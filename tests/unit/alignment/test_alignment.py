@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from support.safetensors_versions import AS_VERSION
 from support.tokens import random_ids as tokens
 
 from semshare_vllm.alignment import (
@@ -315,18 +316,9 @@ def test_rope_far_positions_match_the_kept_table():
     assert torch.allclose(near, got[:1], atol=1e-6)
 
 
-_REWRITTEN_CHECKPOINT = """
-import sys
-import safetensors, safetensors.torch
-if sys.argv[2] == "before-0.8":  # no backend argument: what an older safetensors offers
-    def without_backend(original):
-        def call(*args, backend=None, **kwargs):
-            if backend is not None:
-                raise TypeError("unexpected keyword argument 'backend'")
-            return original(*args, **kwargs)
-        return call
-    safetensors.torch.load_file = without_backend(safetensors.torch.load_file)
-    safetensors.safe_open = without_backend(safetensors.safe_open)
+_REWRITTEN_CHECKPOINT = (
+    AS_VERSION
+    + """
 from pathlib import Path
 import numpy as np, torch
 from safetensors.torch import save_file
@@ -341,6 +333,7 @@ open(path, "wb").close()  # a trainer starts writing new weights over it
 assert np.array_equal(table.rows(np.arange(4096)), before)
 print("whole")
 """
+)
 
 
 @pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from support.safetensors_versions import AS_VERSION
 
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.store import donor_file
@@ -156,18 +157,9 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-_REWRITTEN_DONOR = """
-import sys
-import safetensors, safetensors.torch
-if sys.argv[2] == "before-0.8":  # no backend argument: what an older safetensors offers
-    def without_backend(original):
-        def call(*args, backend=None, **kwargs):
-            if backend is not None:
-                raise TypeError("unexpected keyword argument 'backend'")
-            return original(*args, **kwargs)
-        return call
-    safetensors.torch.load_file = without_backend(safetensors.torch.load_file)
-    safetensors.safe_open = without_backend(safetensors.safe_open)
+_REWRITTEN_DONOR = (
+    AS_VERSION
+    + """
 from pathlib import Path
 import torch
 from semshare_vllm.store import donor_file
@@ -180,6 +172,7 @@ open(path, "wb").close()  # a file copied over it in place (cp, rsync --inplace)
 assert torch.equal(read, pages)
 print("whole")
 """
+)
 
 
 @pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])
