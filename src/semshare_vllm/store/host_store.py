@@ -36,6 +36,7 @@ from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec
 from semshare_vllm.logs import warn_once
 from semshare_vllm.store import donor_file
+from semshare_vllm.store.backlog import ByteBacklog
 from semshare_vllm.store.base import DonorKVStore
 
 logger = logging.getLogger("vllm.semshare.store")
@@ -107,12 +108,12 @@ class HostKVStore(DonorKVStore):
         self.offsets = None if page_layout is None else page_layout.offsets(self.pool[0])
         self.block_size = page_shape[-2]
         self.capacity_bytes = num_blocks * self.block_bytes
+        # donor copies waiting for the disk
+        self._backlog = ByteBacklog(int(PERSIST_BACKLOG_FRACTION * self.capacity_bytes))
         self._free: deque[int] = deque(range(num_blocks))
         self._donors: OrderedDict[DonorKey, list[int]] = OrderedDict()  # LRU order
         self._writing: set[DonorKey] = set()  # allocated, their copy in flight: never victims
         self._disk_q: queue.Queue | None = None
-        self._queued_bytes = 0  # donor copies waiting for the disk (PERSIST_BACKLOG_FRACTION)
-        self._queued_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         if persist_root is not None:
             persist_root.mkdir(parents=True, exist_ok=True)
@@ -269,15 +270,12 @@ class HostKVStore(DonorKVStore):
     def persist_room(self, nbytes: int) -> bool:
         """Whether a copy of ``nbytes`` may join the writes queued for the disk (one always may
         when none is queued)."""
-        with self._queued_lock:
-            queued = self._queued_bytes
-        return queued == 0 or queued + nbytes <= PERSIST_BACKLOG_FRACTION * self.capacity_bytes
+        return self._backlog.room(nbytes)
 
     def persist(self, key: DonorKey, token_ids: list[int], pages: torch.Tensor) -> None:
         """Queue a write of the donor's pages (a tensor the caller no longer changes)."""
         if self._disk_q is not None and self.persist_root is not None:
-            with self._queued_lock:
-                self._queued_bytes += _nbytes(pages)
+            self._backlog.add(_nbytes(pages))
             self._disk_q.put(("write", key, token_ids, pages))
 
     def _path(self, key: DonorKey) -> Path | None:
@@ -315,8 +313,7 @@ class HostKVStore(DonorKVStore):
                 )
             finally:
                 if op is not None and op[0] == "write":
-                    with self._queued_lock:
-                        self._queued_bytes -= _nbytes(op[3])
+                    self._backlog.done(_nbytes(op[3]))
                 self._disk_q.task_done()
 
     def flush(self) -> None:

@@ -11,7 +11,6 @@ only if its digest is the one its writer signed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,6 +22,7 @@ from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
+from semshare_vllm.store.backlog import ByteBacklog
 from semshare_vllm.store.base import DonorKVStore
 from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
@@ -72,9 +72,7 @@ class Tier:
         self._thread = connector_thread("semshare-tier")
         self._puts: list[Future] = []
         # rows staged for puts not yet made: at most backlog_bytes (None: no bound)
-        self.backlog_bytes = backlog_bytes
-        self._queued_bytes = 0
-        self._queued_lock = threading.Lock()
+        self._backlog = ByteBacklog(backlog_bytes)
         try:
             self.store = self._thread.submit(_on_device, _cuda_device(), build_store).result()
         except BaseException:
@@ -85,13 +83,10 @@ class Tier:
     def room(self, nbytes: int) -> bool:
         """Whether rows of ``nbytes`` may join the puts waiting (one always may when none
         waits): a slow or stalled remote must not grow the worker's memory without end."""
-        with self._queued_lock:
-            queued = self._queued_bytes
-        return self.backlog_bytes is None or queued == 0 or queued + nbytes <= self.backlog_bytes
+        return self._backlog.room(nbytes)
 
     def put_later(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> None:
-        with self._queued_lock:
-            self._queued_bytes += rows.numel() * rows.element_size()
+        self._backlog.add(rows.numel() * rows.element_size())
         self._puts.append(self._thread.submit(self._put, key, token_ids, rows))
 
     def _put(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
@@ -99,8 +94,7 @@ class Tier:
         try:
             return self._put_now(key, token_ids, rows)
         finally:
-            with self._queued_lock:
-                self._queued_bytes -= rows.numel() * rows.element_size()
+            self._backlog.done(rows.numel() * rows.element_size())
 
     def _put_now(self, key: DonorKey, token_ids: list[int], rows: torch.Tensor) -> float | None:
         t0 = time.perf_counter()

@@ -542,7 +542,7 @@ def test_captures_past_the_disks_backlog_stay_memory_only(monkeypatch, tmp_path)
         assert store.blocks(key)
     skipped = w.stats.totals.get("persist_backlog_skipped", 0)
     assert 0 < skipped < n
-    assert store._queued_bytes <= host_store.PERSIST_BACKLOG_FRACTION * store.capacity_bytes
+    assert store._backlog.queued <= host_store.PERSIST_BACKLOG_FRACTION * store.capacity_bytes
     gate.set()
     store.flush()
 
