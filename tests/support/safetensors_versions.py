@@ -14,3 +14,18 @@ if sys.argv[2] == "before-0.8":
     safetensors.torch.load_file = without_backend(safetensors.torch.load_file)
     safetensors.safe_open = without_backend(safetensors.safe_open)
 """
+
+
+def run_as_version(script: str, directory, version: str) -> tuple[int, str, str]:
+    """Run ``AS_VERSION + script`` in a child process (a SIGBUS kills the child only) with the
+    arguments ``directory`` and ``version``: its return code, stdout and stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", AS_VERSION + script, str(directory), version],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout.strip(), proc.stderr

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from support.safetensors_versions import AS_VERSION
+from support.safetensors_versions import run_as_version
 from support.tokens import random_ids as tokens
 
 from semshare_vllm.alignment import (
@@ -316,9 +316,7 @@ def test_rope_far_positions_match_the_kept_table():
     assert torch.allclose(near, got[:1], atol=1e-6)
 
 
-_REWRITTEN_CHECKPOINT = (
-    AS_VERSION
-    + """
+_REWRITTEN_CHECKPOINT = """
 from pathlib import Path
 import numpy as np, torch
 from safetensors.torch import save_file
@@ -333,25 +331,17 @@ open(path, "wb").close()  # a trainer starts writing new weights over it
 assert np.array_equal(table.rows(np.arange(4096)), before)
 print("whole")
 """
-)
 
 
 @pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])
 def test_a_checkpoint_rewritten_in_place_leaves_the_table_whole(tmp_path, safetensors_version):
     """Training loops write new weights over the served checkpoint, then ``reload_weights``. The
     table was a view of the file's memory map (safetensors maps what it reads): the file cut
-    short, the next alignment died of SIGBUS and took the engine core with it (a CI run of the
-    weight-reload serve test). Run in a child process, as the failure is a signal."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-c", _REWRITTEN_CHECKPOINT, str(tmp_path), safetensors_version],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)
+    short, the next alignment died of SIGBUS, and the engine core with it (the likely cause of a
+    CI run's engine core dying in the weight-reload serve test). Run in a child process, as the
+    failure is a signal."""
+    rc, out, err = run_as_version(_REWRITTEN_CHECKPOINT, tmp_path, safetensors_version)
+    assert rc == 0 and out == "whole", (rc, err)
 
 
 def test_short_lines_do_not_make_the_sentence_stage_quadratic_in_memory():

@@ -2,7 +2,7 @@ import os
 
 import pytest
 import torch
-from support.safetensors_versions import AS_VERSION
+from support.safetensors_versions import run_as_version
 
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.store import donor_file
@@ -157,9 +157,7 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-_REWRITTEN_DONOR = (
-    AS_VERSION
-    + """
+_REWRITTEN_DONOR = """
 from pathlib import Path
 import torch
 from semshare_vllm.store import donor_file
@@ -172,7 +170,6 @@ open(path, "wb").close()  # a file copied over it in place (cp, rsync --inplace)
 assert torch.equal(read, pages)
 print("whole")
 """
-)
 
 
 @pytest.mark.parametrize("safetensors_version", ["0.8", "before-0.8"])
@@ -180,16 +177,8 @@ def test_a_donor_read_is_its_own_memory(tmp_path, safetensors_version):
     """Pages read from a donor file were a view of its memory map: a file rewritten in place
     after its checksum was verified changed the served KV, or, cut short, killed the worker
     with SIGBUS. Run in a child process, as the failure is a signal."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-c", _REWRITTEN_DONOR, str(tmp_path), safetensors_version],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "whole", (proc.returncode, proc.stderr)
+    rc, out, err = run_as_version(_REWRITTEN_DONOR, tmp_path, safetensors_version)
+    assert rc == 0 and out == "whole", (rc, err)
 
 
 def test_a_disk_slower_than_the_captures_bounds_the_writes_queued(tmp_path, monkeypatch):
