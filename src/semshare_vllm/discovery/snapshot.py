@@ -3,8 +3,9 @@
 One file, ``discovery.v1.npz`` (the format version is in the name and inside), replaced
 atomically: written to a temporary file in the same directory, fsynced, renamed over the old one,
 and the directory fsynced. A process killed at any point leaves either the previous snapshot or
-the new one, never a mix; stray temporary files are removed at the next load. A snapshot made by
-another embedder (model or dimension) is ignored: its donors are embedded again.
+the new one, never a mix; a killed writer's temporary file is removed at the next load
+(``core.temp_files``). A snapshot made by another embedder (model or dimension) is ignored: its
+donors are embedded again.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import io
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from semshare_vllm.core import temp_files
 from semshare_vllm.discovery.embedder import DocumentEmbedding
 
 logger = logging.getLogger("vllm.semshare.snapshot")
@@ -27,7 +28,7 @@ logger = logging.getLogger("vllm.semshare.snapshot")
 VERSION = 1
 FILENAME = f"discovery.v{VERSION}.npz"
 _TMP_PREFIX = ".discovery."
-STALE_TMP_S = 3600.0  # a temporary file this old was left by a killed writer
+STALE_TMP_S = 3600.0  # another host's temporary file this old was left by a killed writer
 
 
 @dataclass
@@ -78,7 +79,7 @@ def write_snapshot(directory: str | Path, entries: list[SnapshotEntry], embedder
     }
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=directory)
+    fd, tmp = temp_files.create(directory, _TMP_PREFIX, ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(buf.getbuffer())
@@ -102,12 +103,12 @@ def load_snapshot(directory: str | Path, embedder_id: str) -> dict[tuple[str, st
     """The entries of the snapshot in ``directory`` by (namespace, donor id); empty when there is
     none, or it is unreadable or from another embedder (logged)."""
     directory = Path(directory)
-    for stray in directory.glob(f"{_TMP_PREFIX}*.tmp"):  # a writer killed mid-write, long ago
-        try:  # (not another instance's, writing now)
-            if time.time() - stray.stat().st_mtime > STALE_TMP_S:
-                stray.unlink()
-        except OSError:
-            pass
+    if directory.is_dir():  # not another instance's, writing now
+        for stray in temp_files.left_behind(directory, _TMP_PREFIX, ".tmp", STALE_TMP_S):
+            try:
+                stray.unlink(missing_ok=True)
+            except OSError:  # another user's: left, never read
+                pass
     path = directory / FILENAME
     if not path.is_file():
         return {}

@@ -17,13 +17,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from semshare_vllm.core import temp_files
 from semshare_vllm.core.tensor_files import load_tensors
 
 FORMAT_VERSION = "1"
@@ -86,8 +86,8 @@ def write(
         "checksum": checksum(pages),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The writer's pid in the name: a restart removes what a killed writer left (``stale_partials``)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_writer()}-", suffix=SUFFIX, dir=path.parent)
+    # The writer in the name: a restart removes what a killed writer left (``stale_partials``)
+    fd, tmp = temp_files.create(path.parent, _TMP_PREFIX, SUFFIX)
     os.close(fd)
     try:
         save_file({"pages": pages}, tmp, metadata=meta)
@@ -142,31 +142,5 @@ def read(path: Path) -> tuple[DonorHeader, torch.Tensor]:
 
 
 def stale_partials(root: Path) -> list[Path]:
-    """Temporary files a writer left when it was killed mid-write: its process is gone from this
-    host, or (another host's, or unnamed) the file is older than ``STALE_PARTIAL_S``. A live
-    writer's file is never listed, so instances sharing a directory do not break each other."""
-    import time
-
-    stale = []
-    here = _writer().split("@", 1)[1]
-    for path in root.glob(f"{_TMP_PREFIX}*{SUFFIX}"):
-        pid, _, host = path.name[len(_TMP_PREFIX) :].split("-", 1)[0].partition("@")
-        try:
-            if host == here and pid.isdigit() and int(pid) < 2**31:
-                os.kill(int(pid), 0)
-                continue  # its writer is alive
-            if time.time() - path.stat().st_mtime < STALE_PARTIAL_S:
-                continue
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError, OverflowError):  # EPERM: alive, another user's; vanished
-            continue
-        stale.append(path)
-    return stale
-
-
-def _writer() -> str:
-    """``pid@host`` (the host name without "-", which separates it from mkstemp's suffix)."""
-    import socket
-
-    return f"{os.getpid()}@{socket.gethostname().replace('-', '_')}"
+    """Temporary files a writer left when it was killed mid-write (``core.temp_files``)."""
+    return temp_files.left_behind(root, _TMP_PREFIX, SUFFIX, STALE_PARTIAL_S)

@@ -92,3 +92,24 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     os.utime(old, (long_ago, long_ago))
     assert load_snapshot(tmp_path, "emb-1") == {}
     assert live.exists() and not old.exists()
+
+
+def test_a_killed_writers_temporary_file_is_removed_at_the_next_load(tmp_path):
+    """CI: a writer killed with SIGKILL mid-write left its temporary file, and the restart right
+    after kept it (only files an hour old were removed), so it stayed until the next start-up an
+    hour later. The file names its writer: one whose process is gone from this host is removed at
+    once; a live one's is kept."""
+    import os
+    import socket
+
+    from semshare_vllm.discovery import snapshot
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname().replace("-", "_")
+    killed = tmp_path / f"{snapshot._TMP_PREFIX}{dead.pid}@{host}-abc.tmp"
+    live = tmp_path / f"{snapshot._TMP_PREFIX}{os.getpid()}@{host}-def.tmp"
+    killed.write_bytes(b"left by a killed writer")
+    live.write_bytes(b"being written")
+    assert load_snapshot(tmp_path, "emb-1") == {}
+    assert live.exists() and not killed.exists()
