@@ -10,7 +10,8 @@ The scheduler half hands work over and picks results up; it never blocks here:
   embed -> cosine top-k in the namespace, and if not, no donor. Lookups run on their own
   thread at normal priority: a request is waiting for each.
 * ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
-  until the scheduler thread attaches it to the catalog (which owns every mutation).
+  until the scheduler thread attaches it to the catalog (which owns every mutation). Donor
+  work waits in a backlog bounded by ``BACKLOG_TOKENS`` (the oldest is dropped past it).
 * ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
 * ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
@@ -53,6 +54,12 @@ GRAM_MATCH_SHARE = 0.5
 # Niceness added to the background (donor embedding) thread: under CPU contention it gets about
 # a tenth of the share of a normal thread, so vLLM's scheduler and API server go first.
 BACKGROUND_NICE = 10
+# Tokens of donor work (embeddings, alignment features) the background thread may hold queued.
+# Donors can arrive faster than they are embedded (4K tokens took 5-13 s on a busy 2-core CPU):
+# past this the oldest queued work is dropped, counted as discovery_backlog_skipped, so memory
+# stays bounded (about 40 MB of token ids) and the newest donors, the ones a next turn asks
+# for, are embedded first. A dropped donor is still found by its text (its token 4-grams).
+BACKLOG_TOKENS = 1 << 20
 
 
 @dataclass
@@ -150,6 +157,59 @@ class _JobThread:
                 self._on_fault("job", exc)
 
 
+class _Queued:
+    """One piece of donor work waiting in the backlog; ``job`` is None once run or dropped
+    (which frees what it holds: the donor's tokens)."""
+
+    __slots__ = ("job", "tokens", "on_drop")
+
+    def __init__(self, job: Callable[[], None], tokens: int, on_drop: Callable[[], object] | None):
+        self.job, self.tokens, self.on_drop = job, tokens, on_drop
+
+
+class _DonorBacklog:
+    """The donor work queued for the background thread, oldest first, holding at most
+    ``BACKLOG_TOKENS`` tokens: adding past it drops the oldest (never the one just added)."""
+
+    def __init__(self, on_drop: Callable[[], None]):
+        self._lock = threading.Lock()
+        self._queued: collections.deque[_Queued] = collections.deque()
+        self._tokens = 0
+        self._on_drop = on_drop
+
+    def add(
+        self, job: Callable[[], None], tokens: int, on_drop: Callable[[], object] | None = None
+    ) -> _Queued:
+        item = _Queued(job, tokens, on_drop)
+        dropped = []
+        with self._lock:
+            self._queued.append(item)
+            self._tokens += tokens
+            while self._tokens > BACKLOG_TOKENS and len(self._queued) > 1:
+                old = self._queued.popleft()
+                self._tokens -= old.tokens
+                old.job = None
+                dropped.append(old)
+        for old in dropped:
+            if old.on_drop is not None:
+                old.on_drop()
+            self._on_drop()
+        return item
+
+    def run(self, item: _Queued) -> None:
+        """Run ``item``'s job unless it was dropped (background thread)."""
+        with self._lock:
+            job, item.job = item.job, None
+            if job is None:
+                return
+            if self._queued[0] is item:  # jobs run in the order they were added
+                self._queued.popleft()
+            else:
+                self._queued.remove(item)
+            self._tokens -= item.tokens
+        job()
+
+
 class DiscoveryService:
     def __init__(
         self,
@@ -185,6 +245,7 @@ class DiscoveryService:
         self._registering = True
         self._urgent = _JobThread("semshare-lookup", 0, self._fault)
         self._background = _JobThread("semshare-embed", BACKGROUND_NICE, self._fault)
+        self._backlog = _DonorBacklog(self._backlog_full)
         self._urgent.put(self._ready_embedder)  # load the model now, not at the first request
 
     # ---- called from the scheduler thread -----------------------------------------------------
@@ -199,15 +260,20 @@ class DiscoveryService:
         itself, such as aligning a request to its candidate donors)."""
         return self._put(self._urgent, job)
 
-    def run_background(self, job: Callable[[], object]) -> Future:
+    def run_background(self, job: Callable[[], object], tokens: int = 0) -> Future:
         """Run ``job`` on the background thread, after the donors queued for embedding (work
-        nothing waits for, such as a donor's alignment features); dropped once registrations
-        stop."""
-        return self._put(self._background, job, while_registering=True)
+        nothing waits for, such as a donor's alignment features, of a donor of ``tokens``);
+        dropped (cancelled) once registrations stop, or when the backlog is full."""
+        return self._put(self._background, job, while_registering=True, tokens=tokens)
 
     def _put(
-        self, thread: _JobThread, job: Callable[[], object], while_registering: bool = False
+        self,
+        thread: _JobThread,
+        job: Callable[[], object],
+        while_registering: bool = False,
+        tokens: int | None = None,
     ) -> Future:
+        """``tokens``: donor work of that many tokens, queued through the bounded backlog."""
         future: Future = Future()
 
         def run_job():
@@ -222,8 +288,17 @@ class DiscoveryService:
                 self._fault("job", exc)
                 future.set_exception(exc)
 
-        thread.put(run_job)
+        if tokens is None:
+            thread.put(run_job)
+        else:
+            self._put_donor_work(run_job, tokens, on_drop=future.cancel)
         return future
+
+    def _put_donor_work(
+        self, job: Callable[[], None], tokens: int, on_drop: Callable[[], object] | None = None
+    ) -> None:
+        item = self._backlog.add(job, tokens, on_drop)
+        self._background.put(lambda: self._backlog.run(item))
 
     def register(
         self,
@@ -233,7 +308,7 @@ class DiscoveryService:
         then: Callable[[Embedded], None] | None = None,
     ) -> None:
         """Embed a donor; ``then(embedded)``, if given, runs on the background thread after."""
-        self._background.put(lambda: self._register(key, serial, token_ids, then))
+        self._put_donor_work(lambda: self._register(key, serial, token_ids, then), len(token_ids))
 
     def write_snapshot(self, write: Callable[[], None]) -> Future:
         future: Future = Future()
@@ -370,6 +445,15 @@ class DiscoveryService:
                 then(embedded)
         except Exception as exc:
             self._fault("register", exc)
+
+    def _backlog_full(self) -> None:
+        self.stats.add("discovery_backlog_skipped")
+        warn_once(
+            logger,
+            "discovery:backlog",
+            "SemShare: donors arrive faster than they are embedded; the oldest waiting are "
+            "dropped (found by their text only; counted as discovery_backlog_skipped)",
+        )
 
     def _fault(self, where: str, exc: Exception) -> None:
         self.stats.add("discovery_faults")

@@ -212,7 +212,7 @@ class SemanticSearch:
     def prepare_alignment(self, record: DonorRecord) -> None:
         if self.aligner is not None:
             aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
-            self.discovery.run_background(lambda: aligner.prepare(key, tokens))
+            self.discovery.run_background(lambda: aligner.prepare(key, tokens), len(tokens))
 
     def absorb_embeddings(self) -> None:
         """Attach donors' embeddings computed on the discovery thread."""

@@ -506,3 +506,50 @@ def test_a_donors_alignment_features_are_ready_before_its_embedding_ends():
     embedder.gate.set()
     settle(s)
     assert s.stats.totals["donors_embedded"] == 1
+
+
+def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(monkeypatch):
+    """Crash-class review: every new donor queued its tokens for the background thread, with no
+    bound, so under a sustained load the embedder could not keep up with, the backlog (and the
+    process's memory) grew without end. Past ``BACKLOG_TOKENS`` queued, the oldest donor work
+    is dropped (its tokens freed, counted); the newest donors, those a next turn asks for, are
+    embedded. A dropped donor is still found by its text."""
+    import gc
+    import weakref
+
+    from semshare_vllm.core.counters import StatsRecorder
+    from semshare_vllm.discovery import service as service_module
+
+    class Tokens(list):  # a list that can be watched for being freed
+        pass
+
+    monkeypatch.setattr(service_module, "BACKLOG_TOKENS", 3000, raising=False)
+    embedder = BagOfTokens()
+    embedder.gate.clear()
+    stats = StatsRecorder()
+    service = DiscoveryService(
+        lambda: embedder,
+        lambda ids: " ".join(map(str, ids)),
+        VectorIndex(dim=VOCAB, kind="exact"),
+        top_k=3,
+        threshold=0.6,
+        embedder_id="bag-v1",
+        stats=stats,
+    )
+    try:
+        donors = [Tokens(range(i * 1000, i * 1000 + 1000)) for i in range(10)]
+        watched = [weakref.ref(d) for d in donors]
+        for i, tokens in enumerate(donors):
+            service.register(f"d{i}", 1, tokens)
+        del donors, tokens
+        gc.collect()
+        held = [i for i, ref in enumerate(watched) if ref() is not None]
+        assert len(held) <= 4, held  # the one being embedded, and 3,000 tokens queued
+        assert stats.totals.get("discovery_backlog_skipped", 0) >= 6
+        embedder.gate.set()
+        assert service.wait_idle()
+        embedded = {e.key for e in service.take_embedded()}
+        assert {"d7", "d8", "d9"} <= embedded and len(embedded) <= 4
+    finally:
+        embedder.gate.set()
+        service.close()
