@@ -18,6 +18,10 @@ import torch
 from semshare_vllm.core.keys import DonorKey
 
 
+class DonorUnavailable(RuntimeError):
+    """The donor is neither in memory nor readable from disk."""
+
+
 class DonorKVStore(ABC):
     name: str = "?"
 

@@ -25,7 +25,7 @@ from semshare_vllm.kernels import stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import CaptureSpec
-from semshare_vllm.store.host_store import DonorUnavailable
+from semshare_vllm.store.base import DonorUnavailable
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 from semshare_vllm.worker.reports import WorkerReport
 from semshare_vllm.worker.setup import WorkerKV

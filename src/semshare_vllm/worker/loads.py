@@ -40,7 +40,7 @@ from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
-from semshare_vllm.store.host_store import DonorUnavailable
+from semshare_vllm.store.base import DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows

@@ -24,7 +24,8 @@ from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.store.backlog import ByteBacklog
 from semshare_vllm.store.base import DonorKVStore
-from semshare_vllm.store.host_store import DonorUnavailable, HostKVStore
+from semshare_vllm.store.base import DonorUnavailable
+from semshare_vllm.store.host_store import HostKVStore
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 
 logger = logging.getLogger("vllm.semshare.worker")
