@@ -12,7 +12,7 @@ capacity this pool reports); the store also evicts least recently used donors it
 pool runs out, so a disagreement costs a miss, never memory. Only the engine thread allocates
 and frees blocks. Disk writes run on a background thread, in submission order; a donor not in
 memory is read back (and checksum-verified) on first use,
-waiting ``DISK_READ_TIMEOUT_S`` at most (``disk_reader.py``). Files carry the tensor-parallel rank.
+waiting ``DISK_READ_TIMEOUT_S`` at most. Files carry the tensor-parallel rank.
 
 The worker reads and writes the pool's blocks directly (``allocate``, ``blocks``): a donor
 allocated is being written (its copy in flight on another thread) until ``finish_write`` or
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.core.stall_guard import Stalled, StallGuard
 from semshare_vllm.kernels import gather_rearrange, stage_rows
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageOffsets, PageSpec
@@ -39,7 +40,6 @@ from semshare_vllm.logs import warn_once
 from semshare_vllm.store import donor_file
 from semshare_vllm.store.backlog import ByteBacklog
 from semshare_vllm.store.base import DonorKVStore, DonorUnavailable
-from semshare_vllm.store.disk_reader import DiskReader
 
 logger = logging.getLogger("vllm.semshare.store")
 
@@ -71,10 +71,11 @@ def fit_to_memory(budget: int, tp_size: int = 1) -> int:
 # so may rows waiting for LMCache (worker/tier.py): a disk or remote slower than the captures
 # would otherwise grow the worker's memory until it is killed.
 PERSIST_BACKLOG_FRACTION = 0.25
-# How long a load waits for its donor's file to be read back (``disk_reader.py``); a 98 MB
-# donor took 176 ms on this project's CPU machines. Past it the load is recomputed. LMCache
-# waits as long (its blocking_timeout_secs, 10 by default) for a chunk from its remote.
+# How long a load waits for its donor's file to be read back; a 98 MB donor took 176 ms on this
+# project's CPU machines. Past it the load is recomputed, and so are the loads from disk of the
+# next DISK_RETRY_AFTER_S (``core/stall_guard.py``): a hung mount must not hold vLLM's step.
 DISK_READ_TIMEOUT_S = 10.0
+DISK_RETRY_AFTER_S = 30.0
 
 
 class HostKVStore(DonorKVStore):
@@ -117,7 +118,7 @@ class HostKVStore(DonorKVStore):
         self._writing: set[DonorKey] = set()  # allocated, their copy in flight: never victims
         self._disk_q: queue.Queue | None = None
         self._writer: threading.Thread | None = None
-        self._reader = DiskReader(DISK_READ_TIMEOUT_S)
+        self._disk = StallGuard("reading persist_dir", DISK_READ_TIMEOUT_S, DISK_RETRY_AFTER_S)
         if persist_root is not None:
             persist_root.mkdir(parents=True, exist_ok=True)
             self._disk_q = queue.Queue()
@@ -169,7 +170,12 @@ class HostKVStore(DonorKVStore):
         path = self._path(key)
         if path is None:
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
-        header, pages = self._reader.read(path)  # bounded: a hung disk must not hold the step
+        try:
+            header, pages = self._disk.call(_read_back, path)
+        except (Stalled, donor_file.CorruptDonorFile) as exc:
+            raise DonorUnavailable(str(exc)) from exc
+        if pages is None:
+            raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
         if (header.namespace, header.donor_id) != (
             key.namespace,
             key.donor_id,
@@ -326,6 +332,13 @@ class HostKVStore(DonorKVStore):
             self._disk_q.put(None)
             self._writer.join(timeout=30)
             self._disk_q = None
+
+
+def _read_back(path: Path):
+    """(header, pages) of a persisted donor; (None, None) when there is no file."""
+    if not path.exists():
+        return None, None
+    return donor_file.read(path)
 
 
 def _nbytes(pages: torch.Tensor) -> int:

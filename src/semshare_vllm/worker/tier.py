@@ -14,21 +14,23 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
+from semshare_vllm.core.stall_guard import Stalled, StallGuard
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.store.backlog import ByteBacklog
-from semshare_vllm.store.base import DonorKVStore
-from semshare_vllm.store.base import DonorUnavailable
+from semshare_vllm.store.base import DonorKVStore, DonorUnavailable
 from semshare_vllm.store.host_store import HostKVStore
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 
 logger = logging.getLogger("vllm.semshare.worker")
+
+T = TypeVar("T")
 
 
 def _cuda_device() -> int | None:
@@ -38,17 +40,24 @@ def _cuda_device() -> int | None:
     return None
 
 
-def _on_device(device: int | None, build: Callable[[], DonorKVStore]) -> DonorKVStore:
-    """On the tier's thread: use the worker's CUDA device before LMCache is built (it pins its
-    buffers through the current device; a new thread's is device 0, another rank's GPU)."""
+def _on_device(device: int | None, fn: Callable[[], T]) -> T:
+    """On a thread of ours: use the worker's CUDA device before LMCache is built or read (it
+    pins its buffers through the current device; a new thread's is device 0, another rank's
+    GPU)."""
     if device is not None:
         torch.cuda.set_device(device)
-    return build()
+    return fn()
 
 
 # Shutdown waits this long at most for the puts in flight (a Redis that answers but does not
 # take writes makes each wait LMCache's own timeouts); the rest are dropped.
 FLUSH_TIMEOUT_S = 30.0
+# A load waits this long at most for its donor from LMCache (which itself waits
+# blocking_timeout_secs, 10 by default, per chunk from its remote); past it the load is
+# recomputed, and so are the fetches of the next TIER_RETRY_AFTER_S (``core/stall_guard.py``):
+# a remote that stopped answering must not hold vLLM's step once per request.
+TIER_FETCH_TIMEOUT_S = 10.0
+TIER_RETRY_AFTER_S = 30.0
 
 
 class Tier:
@@ -74,8 +83,10 @@ class Tier:
         self._puts: list[Future] = []
         # rows staged for puts not yet made: at most backlog_bytes (None: no bound)
         self._backlog = ByteBacklog(backlog_bytes)
+        self._device = _cuda_device()
+        self._fetches = StallGuard("fetching from LMCache", TIER_FETCH_TIMEOUT_S, TIER_RETRY_AFTER_S)
         try:
-            self.store = self._thread.submit(_on_device, _cuda_device(), build_store).result()
+            self.store = self._thread.submit(_on_device, self._device, build_store).result()
         except BaseException:
             self._thread.shutdown(wait=True)
             raise
@@ -138,7 +149,12 @@ class Tier:
     def fetch(self, spec: LoadSpec, host: HostKVStore) -> list[int]:
         """Fetch the donor into the host store; its blocks there. Raises DonorUnavailable."""
         t0 = time.perf_counter()
-        rows = self.store.get(spec.key, spec.donor_token_ids)
+        try:
+            rows = self._fetches.call(
+                _on_device, self._device, lambda: self.store.get(spec.key, spec.donor_token_ids)
+            )
+        except Stalled as exc:
+            raise DonorUnavailable(str(exc)) from exc
         if rows is None:
             raise DonorUnavailable(
                 f"donor {spec.key.donor_id} is in neither the host store nor LMCache"

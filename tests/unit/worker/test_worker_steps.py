@@ -628,3 +628,56 @@ def test_a_stalled_lmcache_bounds_the_puts_waiting_and_never_holds_up_shutdown()
     tier.close(cancel=True, wait=False)  # what shutdown does after a flush that timed out
     stalled.set()
     assert time.monotonic() - t0 < 30
+
+
+def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
+    """Crash-class review: a load whose donor only LMCache holds fetched it on the worker's
+    step, and LMCache waits ``blocking_timeout_secs`` (10 s) per chunk for a remote that stopped
+    answering (a partition, no reset): every such load held the step, each request's, that
+    long again. A fetch now waits ``TIER_FETCH_TIMEOUT_S`` at most; while it is stuck, and for
+    ``TIER_RETRY_AFTER_S`` after, fetches fail at once (the loads are recomputed)."""
+    import threading
+    import time
+
+    from semshare_vllm.core.counters import StatsRecorder
+    from semshare_vllm.store.base import DonorUnavailable
+    from semshare_vllm.worker import tier as tier_module
+    from semshare_vllm.worker.tier import Tier
+
+    monkeypatch.setattr(tier_module, "TIER_FETCH_TIMEOUT_S", 0.3, raising=False)
+    monkeypatch.setattr(tier_module, "TIER_RETRY_AFTER_S", 1.0, raising=False)
+    remote = threading.Event()
+    gets = []
+
+    class HungStore:
+        dtype = torch.float32
+
+        def get(self, key, token_ids):
+            gets.append(key)
+            remote.wait(timeout=5)
+            return None  # as LMCache after its own timeout
+
+        def close(self):
+            pass
+
+    layers = ["model.layers.0.self_attn.attn"]
+    host = HostKVStore(1 << 20, layers, (2, 4, 16), torch.float32, "CPU_ATTN/vec/8")
+    tier = Tier(HungStore, StatsRecorder(), rank=0)
+    spec = LoadSpec("r", DonorKey("", "d"), 0, 0, 4, [0], donor_token_ids=[1, 2, 3, 4])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DonorUnavailable, match="did not return within"):
+            tier.fetch(spec, host)
+        with pytest.raises(DonorUnavailable, match="has not returned"):
+            tier.fetch(spec, host)  # no second wait, no second thread stuck
+        assert time.monotonic() - t0 < 2 and len(gets) == 1
+    finally:
+        remote.set()
+    time.sleep(0.1)
+    with pytest.raises(DonorUnavailable, match="stalled less than"):
+        tier.fetch(spec, host)  # a remote that just hung is not waited on again at once
+    time.sleep(1.0)
+    with pytest.raises(DonorUnavailable, match="neither"):
+        tier.fetch(spec, host)  # then asked again (this one holds no such donor)
+    assert len(gets) == 2
+    tier.close()
