@@ -227,7 +227,7 @@ def test_a_hung_disk_holds_a_load_for_a_bounded_time(tmp_path, monkeypatch):
     from semshare_vllm.store import host_store
 
     monkeypatch.setattr(host_store, "DISK_READ_TIMEOUT_S", 0.3, raising=False)
-    monkeypatch.setattr(host_store, "DISK_RETRY_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(host_store, "DISK_RETRY_AFTER_S", 2.0, raising=False)
     key, other = DonorKey("tenant", "abc"), DonorKey("tenant", "def")
     s = store(8, persist_root=tmp_path)
     for k in (key, other):
@@ -255,10 +255,10 @@ def test_a_hung_disk_holds_a_load_for_a_bounded_time(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 2 and len(calls) == 1
     finally:
         disk.set()
-    time.sleep(0.1)  # the hung read returns
+    s._disk._stuck.join(5)  # the hung read returns
     with pytest.raises(DonorUnavailable, match="stalled less than"):
         s.blocks(other)  # a disk that just hung is not waited on again at once
-    time.sleep(1.0)
+    time.sleep(2.0)
     assert torch.equal(s.pool[:, s.blocks(other)], pages(2))  # then reads go on
     assert len(calls) == 2
     s.close()

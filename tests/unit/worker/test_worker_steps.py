@@ -645,7 +645,7 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
     from semshare_vllm.worker.tier import Tier
 
     monkeypatch.setattr(tier_module, "TIER_FETCH_TIMEOUT_S", 0.3, raising=False)
-    monkeypatch.setattr(tier_module, "TIER_RETRY_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(tier_module, "TIER_RETRY_AFTER_S", 2.0, raising=False)
     remote = threading.Event()
     gets = []
 
@@ -673,10 +673,10 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
         assert time.monotonic() - t0 < 2 and len(gets) == 1
     finally:
         remote.set()
-    time.sleep(0.1)
+    tier._fetches._stuck.join(5)  # the hung fetch returns
     with pytest.raises(DonorUnavailable, match="stalled less than"):
         tier.fetch(spec, host)  # a remote that just hung is not waited on again at once
-    time.sleep(1.0)
+    time.sleep(2.0)
     with pytest.raises(DonorUnavailable, match="neither"):
         tier.fetch(spec, host)  # then asked again (this one holds no such donor)
     assert len(gets) == 2
