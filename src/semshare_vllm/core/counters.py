@@ -69,8 +69,8 @@ COUNTERS: dict[str, str] = {
     "persist_backlog_skipped": "captured donors not written to persist_dir: the writes queued "
     "already held PERSIST_BACKLOG_FRACTION of the host store (a disk slower than the captures)",
     "discovery_backlog_skipped": "donor embeddings or alignment preparations dropped, oldest "
-    "first: the background thread's queue held BACKLOG_TOKENS tokens (donors arriving faster "
-    "than they are embedded; such a donor is found by its text only)",
+    "first: the background thread's queue was full (BACKLOG_JOBS, BACKLOG_TOKENS; donors "
+    "arriving faster than they are embedded; such a donor is found by its text only)",
     "tier_backlog_skipped": "captured donors not put in LMCache: the puts waiting already held "
     "PERSIST_BACKLOG_FRACTION of the host store (a remote slower than the captures)",
     "weight_updates": "steps that found the model's weights updated in place since the last "

@@ -9,9 +9,10 @@ The scheduler half hands work over and picks results up; it never blocks here:
   no recent estimate is measured on its first tokens first), detokenise ->
   embed -> cosine top-k in the namespace, and if not, no donor. Lookups run on their own
   thread at normal priority: a request is waiting for each.
-* ``register(key, serial, token_ids)``: embed a new donor; the result waits in ``take_embedded()``
-  until the scheduler thread attaches it to the catalog (which owns every mutation). Donor
-  work waits in a backlog bounded by ``BACKLOG_TOKENS`` (the oldest is dropped past it).
+* ``register(key, serial, tokens_of)``: embed a new donor; the result waits in
+  ``take_embedded()`` until the scheduler thread attaches it to the catalog (which owns every
+  mutation). Donor work waits in a bounded backlog (``BACKLOG_JOBS``, ``BACKLOG_TOKENS``: the
+  oldest is dropped past it).
 * ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
 * ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
@@ -54,11 +55,14 @@ GRAM_MATCH_SHARE = 0.5
 # Niceness added to the background (donor embedding) thread: under CPU contention it gets about
 # a tenth of the share of a normal thread, so vLLM's scheduler and API server go first.
 BACKGROUND_NICE = 10
-# Tokens of donor work (embeddings, alignment features) the background thread may hold queued.
-# Donors can arrive faster than they are embedded (4K tokens took 5-13 s on a busy 2-core CPU):
-# past this the oldest queued work is dropped, counted as discovery_backlog_skipped, so memory
-# stays bounded (about 40 MB of token ids) and the newest donors, the ones a next turn asks
-# for, are embedded first. A dropped donor is still found by its text (its token 4-grams).
+# Donor work (embeddings, alignment features) queued for the background thread. Donors can
+# arrive faster than they are embedded (4K tokens took 5-13 s on a busy 2-core CPU), so the
+# queue is bounded: past BACKLOG_JOBS pieces of work, or past BACKLOG_TOKENS tokens that only
+# the queue holds (a job mostly reads its donor's tokens from the catalog's record, which it
+# does not keep alive), the oldest queued work is dropped, counted as
+# discovery_backlog_skipped. A dropped donor is still found by its text (its token 4-grams).
+# A restore's burst (every persisted donor embedded again) fits far below these.
+BACKLOG_JOBS = 1 << 16
 BACKLOG_TOKENS = 1 << 20
 
 
@@ -168,8 +172,9 @@ class _Queued:
 
 
 class _DonorBacklog:
-    """The donor work queued for the background thread, oldest first, holding at most
-    ``BACKLOG_TOKENS`` tokens: adding past it drops the oldest (never the one just added)."""
+    """The donor work queued for the background thread, oldest first: at most ``BACKLOG_JOBS``
+    pieces, holding at most ``BACKLOG_TOKENS`` tokens of their own; adding past either drops
+    the oldest (never the one just added)."""
 
     def __init__(self, on_drop: Callable[[], None]):
         self._lock = threading.Lock()
@@ -185,7 +190,9 @@ class _DonorBacklog:
         with self._lock:
             self._queued.append(item)
             self._tokens += tokens
-            while self._tokens > BACKLOG_TOKENS and len(self._queued) > 1:
+            while (self._tokens > BACKLOG_TOKENS or len(self._queued) > BACKLOG_JOBS) and len(
+                self._queued
+            ) > 1:
                 old = self._queued.popleft()
                 self._tokens -= old.tokens
                 old.job = None
@@ -260,11 +267,12 @@ class DiscoveryService:
         itself, such as aligning a request to its candidate donors)."""
         return self._put(self._urgent, job)
 
-    def run_background(self, job: Callable[[], object], tokens: int = 0) -> Future:
+    def run_background(self, job: Callable[[], object], holds_tokens: int = 0) -> Future:
         """Run ``job`` on the background thread, after the donors queued for embedding (work
-        nothing waits for, such as a donor's alignment features, of a donor of ``tokens``);
-        dropped (cancelled) once registrations stop, or when the backlog is full."""
-        return self._put(self._background, job, while_registering=True, tokens=tokens)
+        nothing waits for, such as a donor's alignment features; ``holds_tokens``: the tokens
+        only it keeps alive); dropped (cancelled) once registrations stop, or when the backlog
+        is full."""
+        return self._put(self._background, job, while_registering=True, tokens=holds_tokens)
 
     def _put(
         self,
@@ -273,7 +281,8 @@ class DiscoveryService:
         while_registering: bool = False,
         tokens: int | None = None,
     ) -> Future:
-        """``tokens``: donor work of that many tokens, queued through the bounded backlog."""
+        """``tokens`` (not None): donor work holding that many tokens, queued through the
+        bounded backlog."""
         future: Future = Future()
 
         def run_job():
@@ -304,11 +313,20 @@ class DiscoveryService:
         self,
         key: Hashable,
         serial: int,
-        token_ids: list[int],
+        tokens_of: Callable[[], list[int] | None],
         then: Callable[[Embedded], None] | None = None,
+        *,
+        holds_tokens: int = 0,
+        on_drop: Callable[[], object] | None = None,
     ) -> None:
-        """Embed a donor; ``then(embedded)``, if given, runs on the background thread after."""
-        self._put_donor_work(lambda: self._register(key, serial, token_ids, then), len(token_ids))
+        """Embed a donor: ``tokens_of()`` gives its tokens when its turn comes (None: the donor
+        is gone, nothing to do), so the queue need not keep a copy; ``then(embedded)``, if
+        given, runs on the background thread after. ``holds_tokens``: the tokens the callables
+        keep alive (counted against the backlog); ``on_drop``: called (on the caller's thread)
+        if the backlog drops this donor before its turn."""
+        self._put_donor_work(
+            lambda: self._register(key, serial, tokens_of, then), holds_tokens, on_drop
+        )
 
     def write_snapshot(self, write: Callable[[], None]) -> Future:
         future: Future = Future()
@@ -432,12 +450,15 @@ class DiscoveryService:
         self,
         key: Hashable,
         serial: int,
-        token_ids: list[int],
+        tokens_of: Callable[[], list[int] | None],
         then: Callable[[Embedded], None] | None,
     ) -> None:
         if not self._registering or self._ready_embedder() is None:
             return
         try:
+            token_ids = tokens_of()
+            if token_ids is None:
+                return  # the donor left the catalog while it waited
             embedding, embed_ms = self._embed(token_ids)
             embedded = Embedded(key, serial, embedding, simhash(token_ids), embed_ms)
             self._embedded.append(embedded)

@@ -12,6 +12,7 @@ computed on the discovery thread are attached by ``absorb_embeddings``.
 from __future__ import annotations
 
 import time
+import weakref
 
 from semshare_vllm.catalog.donor_index import DonorRecord
 from semshare_vllm.config import SemShareConfig
@@ -200,22 +201,50 @@ class SemanticSearch:
         return False
 
     # ---- donors -------------------------------------------------------------------------------
-    def embed_donor(self, record: DonorRecord, then=None) -> None:
-        """Embed the donor on the discovery thread (``then(embedded)`` runs there after)."""
+    def embed_donor(
+        self, record: DonorRecord, then=None, *, holds_tokens: int = 0, on_drop=None
+    ) -> None:
+        """Embed the donor on the discovery thread (``then(embedded)`` runs there after; the
+        discovery service's ``register`` says what ``holds_tokens`` and ``on_drop`` are)."""
         if record.serial and record.key in self.catalog.index:
             self.catalog.index.offer_content(record.key)  # findable by its text at once
             # Its alignment features first: a target found by its text meanwhile aligns to it,
             # and at 4K they take ~0.1 s against the embedding's seconds.
             self.prepare_alignment(record)
-            self.discovery.register(record.key, record.serial, record.prompt_token_ids, then)
+            self.discovery.register(
+                record.key,
+                record.serial,
+                _prompt_of(record),
+                then,
+                holds_tokens=holds_tokens,
+                on_drop=on_drop,
+            )
 
     def prepare_alignment(self, record: DonorRecord) -> None:
         if self.aligner is not None:
-            aligner, key, tokens = self.aligner, record.key, record.prompt_token_ids
-            self.discovery.run_background(lambda: aligner.prepare(key, tokens), len(tokens))
+            aligner, key, tokens_of = self.aligner, record.key, _prompt_of(record)
+
+            def prepare() -> None:
+                tokens = tokens_of()
+                if tokens is not None:  # (None: the donor left the catalog meanwhile)
+                    aligner.prepare(key, tokens)
+
+            self.discovery.run_background(prepare)
 
     def absorb_embeddings(self) -> None:
         """Attach donors' embeddings computed on the discovery thread."""
         for e in self.discovery.take_embedded():
             if self.catalog.set_embedding(e.key, e.serial, e.embedding, e.fingerprint):
                 self.stats.add("embed_ms", e.embed_ms)
+
+
+def _prompt_of(record: DonorRecord):
+    """The donor's prompt tokens when asked, None once the catalog let the record go: queued
+    discovery work reads the catalog's tokens and keeps no copy of them alive."""
+    ref = weakref.ref(record)
+
+    def tokens() -> list[int] | None:
+        alive = ref()
+        return None if alive is None else alive.prompt_token_ids
+
+    return tokens

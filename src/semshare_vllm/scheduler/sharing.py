@@ -44,24 +44,36 @@ class DonorSharing:
             if search is not None:
                 search.embed_donor(record)
             return
-        feed, key = self.feed, record.key
-        shared = SharedDonor(
-            key.namespace,
-            key.donor_id,
-            list(record.token_ids),
-            len(record.prompt_token_ids),
-            self.geometry.tp_size,
-        )
+        feed, key, tp_size = self.feed, record.key, self.geometry.tp_size
+
+        def shared() -> SharedDonor:  # made when published: no copy of the tokens waits
+            return SharedDonor(
+                key.namespace,
+                key.donor_id,
+                list(record.token_ids),
+                len(record.prompt_token_ids),
+                tp_size,
+            )
+
         if search is None or search.discovery.failed:
-            feed.publish(shared)
+            feed.publish(shared())
             return
-        shared.embedder_id = search.discovery.embedder_id
+        embedder_id = search.discovery.embedder_id
 
         def with_embedding(embedded) -> None:
-            shared.embedding, shared.fingerprint = embedded.embedding, embedded.fingerprint
-            feed.publish(shared)
+            donor = shared()
+            donor.embedder_id = embedder_id
+            donor.embedding, donor.fingerprint = embedded.embedding, embedded.fingerprint
+            feed.publish(donor)
 
-        search.embed_donor(record, with_embedding)
+        # Published even when the embedding never comes: other instances embed it themselves.
+        # The closures keep the record (its tokens) alive while it waits: counted as held.
+        search.embed_donor(
+            record,
+            with_embedding,
+            holds_tokens=len(record.token_ids),
+            on_drop=lambda: feed.publish(shared()),
+        )
 
     def stop(self) -> None:
         """Neither publish nor take shared donors any more (a connector reset)."""

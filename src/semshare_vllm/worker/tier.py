@@ -84,7 +84,9 @@ class Tier:
         # rows staged for puts not yet made: at most backlog_bytes (None: no bound)
         self._backlog = ByteBacklog(backlog_bytes)
         self._device = _cuda_device()
-        self._fetches = StallGuard("fetching from LMCache", TIER_FETCH_TIMEOUT_S, TIER_RETRY_AFTER_S)
+        self._fetches = StallGuard(
+            "fetching from LMCache", TIER_FETCH_TIMEOUT_S, TIER_RETRY_AFTER_S
+        )
         try:
             self.store = self._thread.submit(_on_device, self._device, build_store).result()
         except BaseException:

@@ -469,7 +469,7 @@ def test_failed_jobs_count_as_discovery_faults_in_the_recorder_handed_in():
         stats=stats,
     )
     try:
-        service.register("donor", 1, DOC)  # its embedding fails
+        service.register("donor", 1, lambda: DOC)  # its embedding fails
         service.index.add("", "other", np.ones(VOCAB) / np.sqrt(VOCAB), 0)  # a vector to search
         failed = service.lookup("", DOC)  # so does the search's embedding
         assert service.run(lambda: 1 / 0).exception(10) is not None
@@ -509,10 +509,11 @@ def test_a_donors_alignment_features_are_ready_before_its_embedding_ends():
 
 
 def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(monkeypatch):
-    """Crash-class review: every new donor queued its tokens for the background thread, with no
-    bound, so under a sustained load the embedder could not keep up with, the backlog (and the
-    process's memory) grew without end. Past ``BACKLOG_TOKENS`` queued, the oldest donor work
-    is dropped (its tokens freed, counted); the newest donors, those a next turn asks for, are
+    """Crash-class review: every new donor queued a copy of its tokens for the background
+    thread, with no bound, so under a sustained load the embedder could not keep up with, the
+    backlog (and the process's memory) grew without end. Past ``BACKLOG_TOKENS`` held by the
+    queue alone, or ``BACKLOG_JOBS`` queued, the oldest work is dropped (its tokens freed,
+    counted, its ``on_drop`` called); the newest donors, those a next turn asks for, are
     embedded. A dropped donor is still found by its text."""
     import gc
     import weakref
@@ -536,20 +537,69 @@ def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(mo
         embedder_id="bag-v1",
         stats=stats,
     )
+    dropped = []
     try:
         donors = [Tokens(range(i * 1000, i * 1000 + 1000)) for i in range(10)]
         watched = [weakref.ref(d) for d in donors]
         for i, tokens in enumerate(donors):
-            service.register(f"d{i}", 1, tokens)
+            service.register(
+                f"d{i}",
+                1,
+                lambda t=tokens: t,  # the queue alone holds them
+                holds_tokens=len(tokens),
+                on_drop=lambda i=i: dropped.append(i),
+            )
         del donors, tokens
         gc.collect()
         held = [i for i, ref in enumerate(watched) if ref() is not None]
         assert len(held) <= 4, held  # the one being embedded, and 3,000 tokens queued
         assert stats.totals.get("discovery_backlog_skipped", 0) >= 6
+        assert len(dropped) == stats.totals["discovery_backlog_skipped"]
         embedder.gate.set()
         assert service.wait_idle()
         embedded = {e.key for e in service.take_embedded()}
         assert {"d7", "d8", "d9"} <= embedded and len(embedded) <= 4
+        assert not embedded & {f"d{i}" for i in dropped}
     finally:
         embedder.gate.set()
         service.close()
+
+
+def test_a_restore_of_many_donors_embeds_them_all():
+    """Review of the bound above (its first version counted every queued donor's tokens): a
+    restart without a matching snapshot queues every persisted donor at once, and past a
+    million tokens of donors the rest were dropped, not embedded for the whole run. Work that
+    reads its tokens from the catalog's record holds none of its own: all are embedded, and a
+    donor the catalog let go meanwhile is skipped, not embedded."""
+    import gc
+
+    from semshare_vllm.catalog.donor_index import DonorRecord
+    from semshare_vllm.core.keys import DonorKey
+
+    class Quick(BagOfTokens):  # long donors without the stand-in's half a second each
+        def embed(self, text):
+            self.gate.wait(30)
+            self.calls += 1
+            v = np.ones(VOCAB, np.float32) / np.sqrt(VOCAB)
+            return DocumentEmbedding(v, v[None, :], len(text.split()))
+
+    embedder = Quick()
+    embedder.gate.clear()
+    s, _ = scheduler(embedder)
+    records = [
+        DonorRecord(DonorKey("", f"d{i}"), list(range(i, i + 8192)), 0, [])
+        for i in range(160)  # 1.3M tokens
+    ]
+    for record in records:
+        assert s.catalog.add(record)
+        s.search.embed_donor(record)
+    gone = records.pop().key  # the catalog lets one go before its turn
+    s.catalog.index.remove(gone)
+    s.catalog.evict([gone])
+    del record
+    gc.collect()
+    embedder.gate.set()
+    assert s.discovery.wait_idle(120)
+    embedded = {e.key.donor_id for e in s.discovery.take_embedded()}
+    assert s.stats.totals.get("discovery_backlog_skipped", 0) == 0
+    assert embedded == {f"d{i}" for i in range(159)}

@@ -243,14 +243,18 @@ class FakeDiscovery:
 
         self.index = VectorIndex(kind="exact")
         self.registered = []
+        self.on_drop = []  # each registration's, as the backlog would call it
+        self.holds_tokens = []
 
-    def register(self, key, serial, token_ids, then=None):
-        self.registered.append((key, serial, token_ids, then))
+    def register(self, key, serial, tokens_of, then=None, *, holds_tokens=0, on_drop=None):
+        self.registered.append((key, serial, tokens_of(), then))
+        self.on_drop.append(on_drop)
+        self.holds_tokens.append(holds_tokens)
 
     def take_embedded(self):
         return []
 
-    def run_background(self, job):
+    def run_background(self, job, holds_tokens=0):
         pass
 
     def stop_registrations(self):
@@ -284,6 +288,27 @@ def test_a_captured_donor_is_announced_with_its_embedding():
     assert record.embedder_id == "embedder-x"
     s.shutdown()
     assert feed.closed
+
+
+def test_a_donor_whose_embedding_the_backlog_drops_is_still_announced():
+    """Review: with a shared index a captured donor was published only once embedded, so one
+    the discovery backlog dropped (donors arriving faster than they are embedded) was never
+    announced to the other instances. It is published without an embedding (readers embed it
+    themselves), and its queued work counts the tokens it keeps alive."""
+    feed, discovery = FakeFeed(), FakeDiscovery()
+    config = dataclasses.replace(shared_config(), tp_semantic_reuse=True)
+    s = SemShareScheduler(config, geometry(tp_size=2), discovery, feed=feed)
+    donor = list(range(100))
+    finish(s, donor, salt="t")
+    key = s.build_connector_meta(None).captures[0].key
+    assert feed.published == [] and discovery.holds_tokens == [101]
+    (on_drop,) = discovery.on_drop
+    assert on_drop is not None
+    on_drop()  # the backlog dropped it
+    (record,) = feed.published
+    assert (record.namespace, record.donor_id) == ("t", key.donor_id)
+    assert record.token_ids == donor + [7] and record.embedding is None
+    s.shutdown()
 
 
 def test_without_discovery_a_donor_is_announced_at_capture():
