@@ -56,6 +56,9 @@ COUNTERS: dict[str, str] = {
     "loaded_tokens": "tokens written into the paged KV cache from donors",
     "block_copied_tokens": "of those, copied from a donor's own blocks while it was captured",
     "load_failures": "loads that failed (request recomputed those tokens)",
+    "loads_not_read_in_time": "of those, loads whose donor's disk (persist_dir) or LMCache "
+    "remote did not answer in time (DISK_READ_TIMEOUT_S, TIER_FETCH_TIMEOUT_S); the donor is "
+    "kept",
     "loads_behind_unwritten_prefix": "repaired loads not run: vLLM's own prefix hit under them "
     "held blocks the same step computes or loads (reported failed; vLLM computes the tokens)",
     "waits_behind_unconfirmed_loads": "times a request was held one step because vLLM's own "

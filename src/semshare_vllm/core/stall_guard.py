@@ -34,6 +34,11 @@ class StallGuard:
         self._stuck: threading.Thread | None = None  # the call that timed out, maybe running
         self._refused_until = 0.0  # monotonic
 
+    def running(self) -> threading.Thread | None:
+        """The thread of a call that timed out and has not returned yet, if any."""
+        stuck = self._stuck
+        return stuck if stuck is not None and stuck.is_alive() else None
+
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``'s result, or what it raised; ``Stalled`` past the wait (one caller
         thread: the worker's)."""

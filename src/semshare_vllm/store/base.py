@@ -22,6 +22,11 @@ class DonorUnavailable(RuntimeError):
     """The donor is neither in memory nor readable from disk."""
 
 
+class DonorNotReadNow(DonorUnavailable):
+    """The donor's disk or remote did not answer in time (``core/stall_guard.py``): this load
+    is recomputed, but the donor is kept and read again later."""
+
+
 class DonorKVStore(ABC):
     name: str = "?"
 

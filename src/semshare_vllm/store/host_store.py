@@ -39,7 +39,7 @@ from semshare_vllm.layout.specs import PageOffsets, PageSpec
 from semshare_vllm.logs import warn_once
 from semshare_vllm.store import donor_file
 from semshare_vllm.store.backlog import ByteBacklog
-from semshare_vllm.store.base import DonorKVStore, DonorUnavailable
+from semshare_vllm.store.base import DonorKVStore, DonorNotReadNow, DonorUnavailable
 
 logger = logging.getLogger("vllm.semshare.store")
 
@@ -172,7 +172,9 @@ class HostKVStore(DonorKVStore):
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
         try:
             header, pages = self._disk.call(_read_back, path)
-        except (Stalled, donor_file.CorruptDonorFile) as exc:
+        except Stalled as exc:
+            raise DonorNotReadNow(str(exc)) from exc
+        except donor_file.CorruptDonorFile as exc:
             raise DonorUnavailable(str(exc)) from exc
         if pages is None:
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")

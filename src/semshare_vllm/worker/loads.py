@@ -40,7 +40,7 @@ from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.logs import guarded, warn_once
 from semshare_vllm.metadata import FailedLoad, LoadSpec, RepairReport
 from semshare_vllm.recompute.policy import Selection
-from semshare_vllm.store.base import DonorUnavailable
+from semshare_vllm.store.base import DonorNotReadNow, DonorUnavailable
 from semshare_vllm.vllm_compat import model_hook, tensor_parallel
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 from semshare_vllm.vllm_compat.prompt_logprobs import mark_served_rows, restart_rows
@@ -279,7 +279,10 @@ class Loads:
             spec.req_id,
             exc,
         )
-        self.report.bad_donors.append(spec.key)
+        if isinstance(exc, DonorNotReadNow):  # a slow disk or remote: the donor stays
+            self.stats.add("loads_not_read_in_time")
+        else:
+            self.report.bad_donors.append(spec.key)
         self.stats.add("load_failures")
 
     def close(self) -> None:

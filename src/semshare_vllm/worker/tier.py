@@ -11,6 +11,7 @@ only if its digest is the one its writer signed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -24,7 +25,7 @@ from semshare_vllm.core.stall_guard import Stalled, StallGuard
 from semshare_vllm.logs import warn_once
 from semshare_vllm.metadata import LoadSpec
 from semshare_vllm.store.backlog import ByteBacklog
-from semshare_vllm.store.base import DonorKVStore, DonorUnavailable
+from semshare_vllm.store.base import DonorKVStore, DonorNotReadNow, DonorUnavailable
 from semshare_vllm.store.host_store import HostKVStore
 from semshare_vllm.vllm_compat.cpu_binding import connector_thread
 
@@ -156,7 +157,7 @@ class Tier:
                 _on_device, self._device, lambda: self.store.get(spec.key, spec.donor_token_ids)
             )
         except Stalled as exc:
-            raise DonorUnavailable(str(exc)) from exc
+            raise DonorNotReadNow(str(exc)) from exc
         if rows is None:
             raise DonorUnavailable(
                 f"donor {spec.key.donor_id} is in neither the host store nor LMCache"
@@ -207,8 +208,30 @@ class Tier:
     def close(self, cancel: bool = False, wait: bool = True) -> None:
         """``cancel``: puts not started yet are never made (a connector reset). ``wait``
         False: nor is the put running waited for (a flush that timed out: a stalled remote);
-        it fails against the closed store."""
+        the store is closed once it, and any fetch that timed out, returned."""
         self._thread.shutdown(wait=wait, cancel_futures=cancel)
+        put = [f for f in self._puts if not f.done()]
+        fetch = self._fetches.running()
+        if not put and fetch is None:
+            self._close_store()
+            return
+        # Closing LMCache frees its arena, which a put or fetch still inside it would read:
+        # close it once they return (LMCache's own timeouts end them), not holding the caller.
+        threading.Thread(
+            target=self._close_after, args=(put, fetch), name="semshare-tier-close", daemon=True
+        ).start()
+
+    def _close_after(self, put: list[Future], fetch: threading.Thread | None) -> None:
+        for future in put:
+            try:
+                future.result()
+            except Exception:  # (counted where it ran)
+                pass
+        if fetch is not None:
+            fetch.join()
+        self._close_store()
+
+    def _close_store(self) -> None:
         self.store.close()
         if self.ready_marks is not None:
             self.ready_marks.close()

@@ -681,3 +681,73 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
         tier.fetch(spec, host)  # then asked again (this one holds no such donor)
     assert len(gets) == 2
     tier.close()
+
+
+def test_a_stalled_disk_fails_the_load_but_keeps_the_donor(monkeypatch, tmp_path):
+    """Review of the bounded disk read: a read that stalled failed the load as a donor that
+    cannot be used would, so the scheduler forgot the donor and the worker deleted its file,
+    and so on for every donor read in the next 30 s: a slow mount cost every donor on it. A
+    stall is transient: the load is recomputed, the donor stays (and is read again later)."""
+    import threading
+
+    from semshare_vllm.store import donor_file, host_store
+
+    monkeypatch.setattr(host_store, "DISK_READ_TIMEOUT_S", 0.2)
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    key = captured_donor(w)
+    w.kv.store.flush()  # written to disk
+    w.kv.store.drop_memory(key)  # then let go of in memory: a load reads the file
+    disk = threading.Event()
+    real_read = donor_file.read
+    monkeypatch.setattr(donor_file, "read", lambda path: (disk.wait(5), real_read(path))[1])
+    try:
+        w.start_load_kv(
+            SemShareConnectorMetadata(loads=[LoadSpec("b", key, 0, 0, 40, [3, 4], seq=9)])
+        )
+    finally:
+        disk.set()
+    assert w.get_block_ids_with_load_errors() == {3, 4}  # recomputed
+    meta = w.build_worker_meta()
+    assert meta.loads_done == [9] and meta.bad_donors == []  # the donor is not forgotten
+    assert list(tmp_path.rglob("*.safetensors"))  # nor its file
+    w.shutdown()
+
+
+def test_lmcache_is_closed_only_once_no_call_of_ours_is_inside_it(monkeypatch):
+    """Review of the bounded fetch: a fetch that timed out goes on in its thread, and closing
+    the tier (a connector reset, shutdown) destroyed LMCache under it, whose arena LMCache frees
+    by raw pointer: the fetch could then read freed memory. The store is closed once that call
+    has returned (on a thread of its own: the reset does not wait for it)."""
+    import threading
+    import time
+
+    from semshare_vllm.core.counters import StatsRecorder
+    from semshare_vllm.store.base import DonorUnavailable
+    from semshare_vllm.worker import tier as tier_module
+    from semshare_vllm.worker.tier import Tier
+
+    monkeypatch.setattr(tier_module, "TIER_FETCH_TIMEOUT_S", 0.2)
+    remote, closed = threading.Event(), threading.Event()
+
+    class HungStore:
+        dtype = torch.float32
+
+        def get(self, key, token_ids):
+            remote.wait(timeout=10)
+            assert not closed.is_set(), "read after close"
+            return None
+
+        def close(self):
+            closed.set()
+
+    layers = ["model.layers.0.self_attn.attn"]
+    host = HostKVStore(1 << 20, layers, (2, 4, 16), torch.float32, "CPU_ATTN/vec/8")
+    tier = Tier(HungStore, StatsRecorder(), rank=0)
+    spec = LoadSpec("r", DonorKey("", "d"), 0, 0, 4, [0], donor_token_ids=[1, 2, 3, 4])
+    with pytest.raises(DonorUnavailable):
+        tier.fetch(spec, host)
+    t0 = time.monotonic()
+    tier.close(cancel=True, wait=False)
+    assert time.monotonic() - t0 < 1 and not closed.is_set()  # not under the fetch
+    remote.set()
+    assert closed.wait(5)  # once it returned
