@@ -221,9 +221,10 @@ def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_
     request fails."""
     import shutil
     import signal
-    import socket
     import time
     from concurrent.futures import ThreadPoolExecutor
+
+    from semshare_vllm.core import temp_files
 
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
     persist = tmp_path / "donors"
@@ -244,8 +245,7 @@ def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_
         srv.stop()
     landed = [f for f in persist.glob("*/*.tp0of1.safetensors")]
     root = landed[0].parent
-    host = socket.gethostname().replace("-", "_")
-    planted = root / f".tmp-{killed}@{host}-drill.safetensors"
+    planted = root / f".tmp-{temp_files.writer_of(killed)}-drill.safetensors"
     planted.write_bytes(landed[0].read_bytes()[: landed[0].stat().st_size // 2])
     shutil.copy(planted, tmp_path / "planted-copy")
 
@@ -260,5 +260,5 @@ def test_fault_drill_sigkill_while_donors_are_persisted_then_restart(model, tmp_
     assert stats["donors_restored"] >= 1 and stats["hits"] >= 1
     assert stats["donors_restored"] + stats.get("persisted_skipped", 0) >= len(landed)
     assert not planted.exists()
-    assert not [p for p in root.glob(f".tmp-{killed}@*")]
+    assert not [p for p in root.glob(f".tmp-{killed}.*")]
     assert "fallbacks" not in stats and "Traceback" not in log

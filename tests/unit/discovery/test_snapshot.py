@@ -97,19 +97,26 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
 def test_a_killed_writers_temporary_file_is_removed_at_the_next_load(tmp_path):
     """CI: a writer killed with SIGKILL mid-write left its temporary file, and the restart right
     after kept it (only files an hour old were removed), so it stayed until the next start-up an
-    hour later. The file names its writer: one whose process is gone from this host is removed at
-    once; a live one's is kept."""
+    hour later. The file names its writer (pid, start time, boot): one whose process is gone
+    is removed at once, and so is one whose pid another process has now (review: a container
+    restarted with the same host name reuses pids), or any file an hour old; a live writer's
+    is kept."""
     import os
-    import socket
 
+    from semshare_vllm.core import temp_files
     from semshare_vllm.discovery import snapshot
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = socket.gethostname().replace("-", "_")
-    killed = tmp_path / f"{snapshot._TMP_PREFIX}{dead.pid}@{host}-abc.tmp"
-    live = tmp_path / f"{snapshot._TMP_PREFIX}{os.getpid()}@{host}-def.tmp"
-    killed.write_bytes(b"left by a killed writer")
-    live.write_bytes(b"being written")
+    prefix = snapshot._TMP_PREFIX
+    killed = tmp_path / f"{prefix}{temp_files.writer_of(dead.pid)}-abc.tmp"
+    live = tmp_path / f"{prefix}{temp_files.writer_of(os.getpid())}-def.tmp"
+    pid, start, rest = temp_files.writer_of(os.getpid()).split(".", 2)
+    reused = tmp_path / f"{prefix}{pid}.{int(start) + 1}.{rest}-ghi.tmp"  # an earlier process
+    old = tmp_path / f"{prefix}{temp_files.writer_of(os.getpid())}-jkl.tmp"
+    for path in (killed, live, reused, old):
+        path.write_bytes(b"part of a snapshot")
+    long_ago = time.time() - 2 * snapshot.STALE_TMP_S
+    os.utime(old, (long_ago, long_ago))
     assert load_snapshot(tmp_path, "emb-1") == {}
-    assert live.exists() and not killed.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
