@@ -5,6 +5,9 @@ The call runs on a daemon thread of its own; the caller waits ``timeout_s`` at m
 that timed out is left to return or hang on its thread (nothing can interrupt it). While it has
 not returned, and for ``retry_after_s`` after it timed out, later calls are refused at once, so
 a source that hangs costs the step one wait, not one per request, and never piles up threads.
+What a timed-out call returns late is kept (the latest one only) and answers the next call of
+the same key at once: a donor slower to read than the wait is then read once, not waited for
+on every load.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, TypeVar
+from typing import Callable, Hashable, TypeVar
 
 from semshare_vllm.logs import warn_once
 
@@ -32,6 +35,7 @@ class StallGuard:
         self.what = what  # what the calls do, for messages ("reading persist_dir")
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._stuck: threading.Thread | None = None  # the call that timed out, maybe running
+        self._late: tuple[Hashable, Future] | None = None  # its key and result
         self._refused_until = 0.0  # monotonic
 
     def running(self) -> threading.Thread | None:
@@ -39,9 +43,15 @@ class StallGuard:
         stuck = self._stuck
         return stuck if stuck is not None and stuck.is_alive() else None
 
-    def call(self, fn: Callable[..., T], *args) -> T:
+    def call(self, key: Hashable, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``'s result, or what it raised; ``Stalled`` past the wait (one caller
-        thread: the worker's)."""
+        thread: the worker's). ``key`` names what is asked for (a timed-out call's late result
+        answers the next call of the same key)."""
+        late = self._late
+        if late is not None and late[1].done():
+            self._late = None
+            if late[0] == key:
+                return late[1].result()
         if self._stuck is not None and self._stuck.is_alive():
             raise Stalled(f"{self.what}: an earlier call has not returned")
         self._stuck = None
@@ -55,13 +65,13 @@ class StallGuard:
         try:
             return result.result(timeout=self.timeout_s)
         except FutureTimeout:
-            self._stuck = thread
+            self._stuck, self._late = thread, (key, result)
             self._refused_until = time.monotonic() + self.retry_after_s
             warn_once(
                 logger,
                 f"stalled:{self.what}",
-                "SemShare: %s did not return within %.0f s; its load is recomputed, and so are "
-                "those that need it for the next %.0f s or until it returns",
+                "SemShare: %s did not return within %g s; its load is recomputed, and so are "
+                "those that need it for the next %g s or until it returns",
                 self.what,
                 self.timeout_s,
                 self.retry_after_s,

@@ -198,15 +198,16 @@ class _DonorBacklog:
                 old.job = None
                 dropped.append(old)
         for old in dropped:
-            if old.on_drop is not None:
-                old.on_drop()
+            on_drop, old.on_drop = old.on_drop, None  # (it may hold the donor: let it go)
+            if on_drop is not None:
+                on_drop()
             self._on_drop()
         return item
 
     def run(self, item: _Queued) -> None:
         """Run ``item``'s job unless it was dropped (background thread)."""
         with self._lock:
-            job, item.job = item.job, None
+            job, item.job, item.on_drop = item.job, None, None
             if job is None:
                 return
             if self._queued[0] is item:  # jobs run in the order they were added
@@ -325,7 +326,7 @@ class DiscoveryService:
         keep alive (counted against the backlog); ``on_drop``: called (on the caller's thread)
         if the backlog drops this donor before its turn."""
         self._put_donor_work(
-            lambda: self._register(key, serial, tokens_of, then), holds_tokens, on_drop
+            lambda: self._register(key, serial, tokens_of, then, on_drop), holds_tokens, on_drop
         )
 
     def write_snapshot(self, write: Callable[[], None]) -> Future:
@@ -452,20 +453,23 @@ class DiscoveryService:
         serial: int,
         tokens_of: Callable[[], list[int] | None],
         then: Callable[[Embedded], None] | None,
+        on_drop: Callable[[], object] | None = None,
     ) -> None:
-        if not self._registering or self._ready_embedder() is None:
+        if not self._registering:
             return
+        embedded = None
         try:
             token_ids = tokens_of()
-            if token_ids is None:
-                return  # the donor left the catalog while it waited
-            embedding, embed_ms = self._embed(token_ids)
-            embedded = Embedded(key, serial, embedding, simhash(token_ids), embed_ms)
-            self._embedded.append(embedded)
-            if then is not None:
-                then(embedded)
+            if token_ids is not None and self._ready_embedder() is not None:
+                embedding, embed_ms = self._embed(token_ids)
+                embedded = Embedded(key, serial, embedding, simhash(token_ids), embed_ms)
+                self._embedded.append(embedded)
+                if then is not None:
+                    then(embedded)
         except Exception as exc:
             self._fault("register", exc)
+        if embedded is None and on_drop is not None:
+            on_drop()  # no embedding will come (embedder off, failed, or donor gone)
 
     def _backlog_full(self) -> None:
         self.stats.add("discovery_backlog_skipped")

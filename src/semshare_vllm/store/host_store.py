@@ -171,7 +171,7 @@ class HostKVStore(DonorKVStore):
         if path is None:
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
         try:
-            header, pages = self._disk.call(_read_back, path)
+            header, pages = self._disk.call(path, _read_back, path)
         except Stalled as exc:
             raise DonorNotReadNow(str(exc)) from exc
         except donor_file.CorruptDonorFile as exc:

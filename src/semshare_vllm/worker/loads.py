@@ -314,10 +314,16 @@ class Loads:
         first when the store does not hold it."""
         try:
             return self.kv.store.blocks(spec.key)
-        except DonorUnavailable:
+        except DonorUnavailable as exc:
             if self.kv.tier is None or not spec.donor_token_ids:
                 raise
-        return self.kv.tier.fetch(spec, self.kv.store)
+            stalled = exc if isinstance(exc, DonorNotReadNow) else None
+        try:
+            return self.kv.tier.fetch(spec, self.kv.store)
+        except DonorUnavailable as exc:
+            if stalled is not None and not isinstance(exc, DonorNotReadNow):
+                raise stalled from exc  # its disk is slow, not the donor bad: keep it
+            raise
 
     def _stacks(self, source: _Source, from_layer: int):
         """(donor pages, request pages) per stack of layers, from layer ``from_layer`` on."""

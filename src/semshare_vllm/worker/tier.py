@@ -154,7 +154,10 @@ class Tier:
         t0 = time.perf_counter()
         try:
             rows = self._fetches.call(
-                _on_device, self._device, lambda: self.store.get(spec.key, spec.donor_token_ids)
+                spec.key,
+                _on_device,
+                self._device,
+                lambda: self.store.get(spec.key, spec.donor_token_ids),
             )
         except Stalled as exc:
             raise DonorNotReadNow(str(exc)) from exc
@@ -217,8 +220,11 @@ class Tier:
             return
         # Closing LMCache frees its arena, which a put or fetch still inside it would read:
         # close it once they return (LMCache's own timeouts end them), not holding the caller.
-        threading.Thread(
-            target=self._close_after, args=(put, fetch), name="semshare-tier-close", daemon=True
+        threading.Thread(  # on the worker's GPU, as LMCache was built (its pinned arena)
+            target=_on_device,
+            args=(self._device, lambda: self._close_after(put, fetch)),
+            name="semshare-tier-close",
+            daemon=True,
         ).start()
 
     def _close_after(self, put: list[Future], fetch: threading.Thread | None) -> None:
@@ -228,7 +234,7 @@ class Tier:
             except Exception:  # (counted where it ran)
                 pass
         if fetch is not None:
-            fetch.join()
+            fetch.join()  # (LMCache's own blocking_timeout_secs per chunk ends it)
         self._close_store()
 
     def _close_store(self) -> None:

@@ -603,3 +603,36 @@ def test_a_restore_of_many_donors_embeds_them_all():
     embedded = {e.key.donor_id for e in s.discovery.take_embedded()}
     assert s.stats.totals.get("discovery_backlog_skipped", 0) == 0
     assert embedded == {f"d{i}" for i in range(159)}
+
+
+def test_a_donor_that_gets_no_embedding_still_calls_its_on_drop():
+    """Second review: a registration whose embedding failed (or whose embedder could not load)
+    ran neither ``then`` nor ``on_drop``, so a donor captured then was never announced to the
+    other instances. Every way of ending without an embedding calls ``on_drop``."""
+
+    class Broken(BagOfTokens):
+        def embed(self, text):
+            raise RuntimeError("embedder fault")
+
+    service = DiscoveryService(
+        Broken,
+        lambda ids: " ".join(map(str, ids)),
+        VectorIndex(dim=VOCAB, kind="exact"),
+        top_k=3,
+        threshold=0.6,
+        embedder_id="bag-v1",
+    )
+    ended = []
+    try:
+        service.register(
+            "d",
+            1,
+            lambda: DOC,
+            lambda e: ended.append("then"),
+            on_drop=lambda: ended.append("dropped"),
+        )
+        service.register("gone", 2, lambda: None, on_drop=lambda: ended.append("gone"))
+        assert service.wait_idle()
+        assert ended == ["dropped", "gone"]
+    finally:
+        service.close()

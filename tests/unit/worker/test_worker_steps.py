@@ -640,7 +640,7 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
     import time
 
     from semshare_vllm.core.counters import StatsRecorder
-    from semshare_vllm.store.base import DonorUnavailable
+    from semshare_vllm.store.base import DonorNotReadNow, DonorUnavailable
     from semshare_vllm.worker import tier as tier_module
     from semshare_vllm.worker.tier import Tier
 
@@ -666,7 +666,7 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
     spec = LoadSpec("r", DonorKey("", "d"), 0, 0, 4, [0], donor_token_ids=[1, 2, 3, 4])
     try:
         t0 = time.monotonic()
-        with pytest.raises(DonorUnavailable, match="did not return within"):
+        with pytest.raises(DonorNotReadNow, match="did not return within"):
             tier.fetch(spec, host)
         with pytest.raises(DonorUnavailable, match="has not returned"):
             tier.fetch(spec, host)  # no second wait, no second thread stuck
@@ -674,11 +674,15 @@ def test_a_hung_lmcache_remote_holds_one_load_for_a_bounded_time(monkeypatch):
     finally:
         remote.set()
     tier._fetches._stuck.join(5)  # the hung fetch returns
+    with pytest.raises(DonorUnavailable, match="neither"):
+        tier.fetch(spec, host)  # its late answer serves the next fetch of that donor
+    other = LoadSpec("s", DonorKey("", "e"), 0, 0, 4, [0], donor_token_ids=[5, 6, 7, 8])
     with pytest.raises(DonorUnavailable, match="stalled less than"):
-        tier.fetch(spec, host)  # a remote that just hung is not waited on again at once
+        tier.fetch(other, host)  # a remote that just hung is not waited on again at once
+    assert len(gets) == 1
     time.sleep(2.0)
     with pytest.raises(DonorUnavailable, match="neither"):
-        tier.fetch(spec, host)  # then asked again (this one holds no such donor)
+        tier.fetch(other, host)  # then asked again (this one holds no such donor)
     assert len(gets) == 2
     tier.close()
 
@@ -751,3 +755,77 @@ def test_lmcache_is_closed_only_once_no_call_of_ours_is_inside_it(monkeypatch):
     assert time.monotonic() - t0 < 1 and not closed.is_set()  # not under the fetch
     remote.set()
     assert closed.wait(5)  # once it returned
+
+
+def test_a_stalled_disk_with_lmcache_behind_it_keeps_the_donor(monkeypatch, tmp_path):
+    """Second review: with the LMCache tier on, a load whose disk stalled went on to LMCache,
+    which did not hold the donor either, and that plain "not there" made the donor bad: the
+    scheduler forgot it and its file was deleted. The stall is what the load reports."""
+    import threading
+
+    from semshare_vllm.core.counters import StatsRecorder
+    from semshare_vllm.store import donor_file, host_store
+    from semshare_vllm.worker.tier import Tier
+
+    class Empty:  # an LMCache that holds nothing
+        dtype = torch.float32
+
+        def get(self, key, token_ids):
+            return None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(host_store, "DISK_READ_TIMEOUT_S", 0.2)
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    key = captured_donor(w)
+    w.kv.store.flush()
+    w.kv.store.drop_memory(key)
+    w.kv.tier = Tier(Empty, StatsRecorder(), rank=0)
+    disk = threading.Event()
+    real_read = donor_file.read
+    monkeypatch.setattr(donor_file, "read", lambda path: (disk.wait(5), real_read(path))[1])
+    load = LoadSpec("b", key, 0, 0, 40, [3, 4], seq=9, donor_token_ids=list(range(40)))
+    try:
+        w.start_load_kv(SemShareConnectorMetadata(loads=[load]))
+    finally:
+        disk.set()
+    assert w.get_block_ids_with_load_errors() == {3, 4}
+    assert w.build_worker_meta().bad_donors == []
+    assert w.stats.totals["loads_not_read_in_time"] == 1
+    w.shutdown()
+
+
+def test_a_read_that_came_in_late_serves_the_next_load(monkeypatch, tmp_path):
+    """Second review: a donor whose file takes longer to read than the wait (a large shard on
+    a slow mount) had its late read thrown away, so every load of it waited, failed and waited
+    again, without end. The read that came in late is what the next load of that donor uses:
+    the donor is then in memory."""
+    import threading
+
+    from semshare_vllm.store import donor_file, host_store
+
+    monkeypatch.setattr(host_store, "DISK_READ_TIMEOUT_S", 0.2)
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    key = captured_donor(w)
+    w.kv.store.flush()
+    w.kv.store.drop_memory(key)
+    disk = threading.Event()
+    real_read, reads = donor_file.read, []
+
+    def slow_read(path):
+        reads.append(path)
+        disk.wait(5)
+        return real_read(path)
+
+    monkeypatch.setattr(donor_file, "read", slow_read)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("b", key, 0, 0, 40, [3, 4])]))
+    assert w.get_block_ids_with_load_errors() == {3, 4}  # the first load waited, then gave up
+    disk.set()
+    w.kv.store._disk.running() is None or w.kv.store._disk.running().join(5)
+    w.start_load_kv(SemShareConnectorMetadata(loads=[LoadSpec("c", key, 0, 0, 40, [5, 6])]))
+    assert w.get_block_ids_with_load_errors() == set() and key in w.kv.store
+    for cache in w.kv.caches:  # the late read's pages, loaded
+        assert torch.equal(cache[5][:, :BS], cache[1][:, :BS])
+    assert len(reads) == 1 and w.build_worker_meta().bad_donors == []
+    w.shutdown()
