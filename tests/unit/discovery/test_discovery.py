@@ -65,6 +65,19 @@ def scheduler(embedder=None, **cfg):
     return s, embedder
 
 
+def make_service(make_embedder, **kw):
+    """A discovery service alone (no scheduler) over ``make_embedder``'s stand-in."""
+    return DiscoveryService(
+        make_embedder,
+        lambda ids: " ".join(map(str, ids)),
+        VectorIndex(dim=VOCAB, kind="exact"),
+        top_k=3,
+        threshold=0.6,
+        embedder_id="bag-v1",
+        **kw,
+    )
+
+
 def settle(s):
     assert s.discovery.wait_idle()
     s.build_connector_meta(None)  # the scheduler thread attaches finished embeddings
@@ -458,16 +471,7 @@ def test_failed_jobs_count_as_discovery_faults_in_the_recorder_handed_in():
             raise RuntimeError("embedder fault")
 
     stats = StatsRecorder()
-    service = DiscoveryService(
-        Broken,
-        lambda ids: " ".join(map(str, ids)),
-        VectorIndex(dim=VOCAB, kind="exact"),
-        top_k=3,
-        threshold=0.6,
-        embedder_id="bag-v1",
-        gram_match_share=2.0,
-        stats=stats,
-    )
+    service = make_service(Broken, gram_match_share=2.0, stats=stats)
     try:
         service.register("donor", 1, lambda: DOC)  # its embedding fails
         service.index.add("", "other", np.ones(VOCAB) / np.sqrt(VOCAB), 0)  # a vector to search
@@ -528,15 +532,7 @@ def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(mo
     embedder = BagOfTokens()
     embedder.gate.clear()
     stats = StatsRecorder()
-    service = DiscoveryService(
-        lambda: embedder,
-        lambda ids: " ".join(map(str, ids)),
-        VectorIndex(dim=VOCAB, kind="exact"),
-        top_k=3,
-        threshold=0.6,
-        embedder_id="bag-v1",
-        stats=stats,
-    )
+    service = make_service(lambda: embedder, stats=stats)
     dropped = []
     try:
         donors = [Tokens(range(i * 1000, i * 1000 + 1000)) for i in range(10)]
@@ -614,14 +610,7 @@ def test_a_donor_that_gets_no_embedding_still_calls_its_on_drop():
         def embed(self, text):
             raise RuntimeError("embedder fault")
 
-    service = DiscoveryService(
-        Broken,
-        lambda ids: " ".join(map(str, ids)),
-        VectorIndex(dim=VOCAB, kind="exact"),
-        top_k=3,
-        threshold=0.6,
-        embedder_id="bag-v1",
-    )
+    service = make_service(Broken)
     ended = []
     try:
         service.register(
