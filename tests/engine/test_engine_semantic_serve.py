@@ -101,6 +101,8 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         with ThreadPoolExecutor(16) as pool:
             outs = list(pool.map(lambda p: srv.complete(p, max_tokens=8), prompts))
         assert all(len(o.text) > 0 and o.prompt_tokens for o in outs)
+        # counters reach /metrics with the engine's stats, which may trail the last answer
+        srv.wait_for_stat("semantic_hits", 2 + len(cases["fact_targets"]) + 32 * 0.5, 180)
         metrics = srv.metrics()
         stats = srv.connector_stats()
     for name in ("semantic_hits", "hit_tokens", "recomputed_tokens", "exact_reused_tokens"):

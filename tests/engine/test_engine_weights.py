@@ -153,6 +153,7 @@ def test_a_pause_drops_the_donors_of_the_weights_before_it(tmp_path):
         gen(a)
         gen(filler, kv={"semshare": "off"})  # the step that captures a
         worker.flush_captures()
+        worker.kv.store.flush()  # the disk writer's queue too
         assert list(persist.rglob("*.safetensors"))  # a, persisted
         gen(filler)  # kept as a donor: its blocks are held for the capture when it returns
         assert sched.has_pending_block_frees()
@@ -171,6 +172,7 @@ def test_a_pause_drops_the_donors_of_the_weights_before_it(tmp_path):
         worker.flush_captures()
         assert llm.reset_prefix_cache()  # vLLM's copy of b gone: only ours is left
         assert gen(b) == cold and sched.stats.totals.get("hit_tokens", 0) > hits
+        worker.kv.store.flush()  # its queued deletes done
         assert not list(persist.rglob("*.safetensors"))  # a's file went with the reset
     finally:
         offline.drop_connector()  # vLLM keeps the worker half in a global
@@ -212,6 +214,7 @@ def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update
         gen(a)
         gen(filler, kv={"semshare": "off"})  # the step that captures a
         worker.flush_captures()
+        worker.kv.store.flush()  # the disk writer's queue too
         assert list(persist.rglob("*.safetensors"))  # a, persisted
 
         if update == "load_weights":
@@ -239,6 +242,7 @@ def test_weights_updated_through_vllm_drop_the_donors_of_before(tmp_path, update
         worker.flush_captures()
         assert llm.reset_prefix_cache()
         assert gen(b) == cold and worker.stats.totals.get("loaded_tokens", 0) > loaded
+        worker.kv.store.flush()  # its queued deletes done
         assert not list(persist.rglob("*.safetensors"))
     finally:
         offline.drop_connector()

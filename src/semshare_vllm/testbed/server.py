@@ -253,7 +253,7 @@ class VllmServer:
     def metrics(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
 
-    def wait_for_stat(self, name: str, at_least: float, timeout_s: float = 120) -> None:
+    def wait_for_stat(self, name: str, at_least: float, timeout_s: float = 180) -> None:
         """Until the connector's counter ``name`` reaches ``at_least``, keeping the engine
         stepping with tiny opted-out requests; AssertionError past ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

@@ -194,7 +194,7 @@ def test_the_first_put_after_a_redis_restart_is_readable():
 
     server = RedisServer().start()
     writer, reader = lmcache_store(server.url), lmcache_store(server.url)
-    writer.put_timeout_s = 1.0
+    writer.put_timeout_s = 5.0  # not tight: a loaded machine takes longer to make it readable
     try:
         assert writer.put(DonorKey("", "before"), tokens(40, 10), rows(40, 10))
         server.stop()
