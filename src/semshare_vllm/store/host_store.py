@@ -171,13 +171,14 @@ class HostKVStore(DonorKVStore):
         if path is None:
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
         try:
-            header, pages = self._disk.call(path, _read_back, path)
+            read = self._disk.call(path, _read_back, path)
         except Stalled as exc:
             raise DonorNotReadNow(str(exc)) from exc
         except donor_file.CorruptDonorFile as exc:
             raise DonorUnavailable(str(exc)) from exc
-        if pages is None:
+        if read is None:
             raise DonorUnavailable(f"donor {key.donor_id} is not in the host store")
+        header, pages = read
         if (header.namespace, header.donor_id) != (
             key.namespace,
             key.donor_id,
@@ -215,6 +216,7 @@ class HostKVStore(DonorKVStore):
         for key in list(self._donors):
             self.drop(key)
         self.persist_root = None
+        self._disk.drop_late()  # a donor read back too late (its pages)
 
     def drop_memory(self, key: DonorKey) -> None:
         """Free the donor's pool blocks only; a persisted file stays and is read back on use."""
@@ -330,6 +332,7 @@ class HostKVStore(DonorKVStore):
             self._disk_q.join()
 
     def close(self) -> None:
+        self._disk.close()
         if self._disk_q is not None and self._writer is not None:
             self._disk_q.put(None)
             self._writer.join(timeout=30)
@@ -337,9 +340,9 @@ class HostKVStore(DonorKVStore):
 
 
 def _read_back(path: Path):
-    """(header, pages) of a persisted donor; (None, None) when there is no file."""
+    """(header, pages) of a persisted donor; None when there is no file."""
     if not path.exists():
-        return None, None
+        return None
     return donor_file.read(path)
 
 

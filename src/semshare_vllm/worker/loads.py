@@ -320,9 +320,17 @@ class Loads:
             stalled = exc if isinstance(exc, DonorNotReadNow) else None
         try:
             return self.kv.tier.fetch(spec, self.kv.store)
-        except DonorUnavailable as exc:
+        except Exception as exc:
+            # whatever LMCache said (absent, an error, another copy's digest), the donor's file
+            # was not read: its disk is slow, not the donor bad, so it is kept
             if stalled is not None and not isinstance(exc, DonorNotReadNow):
-                raise stalled from exc  # its disk is slow, not the donor bad: keep it
+                warn_once(
+                    logger,
+                    "tier-behind-stall",
+                    "SemShare: LMCache, asked for a donor whose disk read stalled: %r",
+                    exc,
+                )
+                raise stalled from exc
             raise
 
     def _stacks(self, source: _Source, from_layer: int):

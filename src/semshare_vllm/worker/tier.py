@@ -213,6 +213,7 @@ class Tier:
         False: nor is the put running waited for (a flush that timed out: a stalled remote);
         the store is closed once it, and any fetch that timed out, returned."""
         self._thread.shutdown(wait=wait, cancel_futures=cancel)
+        self._fetches.close()  # (a stuck fetch stays: running() below)
         put = [f for f in self._puts if not f.done()]
         fetch = self._fetches.running()
         if not put and fetch is None:
@@ -235,9 +236,14 @@ class Tier:
                 pass
         if fetch is not None:
             fetch.join()  # (LMCache's own blocking_timeout_secs per chunk ends it)
-        self._close_store()
+        try:
+            self._close_store()
+        except Exception:  # noqa: BLE001  (nobody is left to tell but the log)
+            logger.warning("SemShare: closing LMCache failed", exc_info=True)
 
     def _close_store(self) -> None:
-        self.store.close()
-        if self.ready_marks is not None:
-            self.ready_marks.close()
+        try:
+            self.store.close()
+        finally:  # (its Redis connection and thread, whatever LMCache's close raised)
+            if self.ready_marks is not None:
+                self.ready_marks.close()
