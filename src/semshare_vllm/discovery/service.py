@@ -12,8 +12,9 @@ The scheduler half hands work over and picks results up; it never blocks here:
 * ``register(key, serial, tokens_of)``: embed a new donor; the result waits in
   ``take_embedded()`` until the scheduler thread attaches it to the catalog (which owns every
   mutation). Donor work waits in a bounded backlog (``BACKLOG_JOBS``, ``BACKLOG_TOKENS``: the
-  oldest is dropped past it).
-* ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread.
+  oldest is dropped past it), embeddings newest first.
+* ``run(job)`` / ``run_background(job)``: other work on the lookup / background thread (the
+  latter ahead of the donors' embeddings).
 * ``write_snapshot(write)``: persist the embeddings (``snapshot.py``).
 
 A job that fails counts one ``discovery_faults`` in ``stats`` (the scheduler half's
@@ -172,50 +173,66 @@ class _Queued:
 
 
 class _DonorBacklog:
-    """The donor work queued for the background thread, oldest first: at most ``BACKLOG_JOBS``
-    pieces, holding at most ``BACKLOG_TOKENS`` tokens of their own; adding past either drops
-    the oldest (never the one just added)."""
+    """The donor work queued for the background thread: at most ``BACKLOG_JOBS`` pieces, holding
+    at most ``BACKLOG_TOKENS`` tokens of their own; adding past either drops the oldest
+    embedding (never the piece just added). Quick pieces (a donor's alignment features, a tenth
+    of a second) run first, in order; then embeddings (seconds each), newest first: under a
+    burst a new donor, the likeliest to be asked for next (the next turn of a chat), is not
+    embedded after every donor before it, and each donor is findable by its text meanwhile."""
 
     def __init__(self, on_drop: Callable[[], None]):
         self._lock = threading.Lock()
-        self._queued: collections.deque[_Queued] = collections.deque()
+        self._quick: collections.deque[_Queued] = collections.deque()
+        self._queued: collections.deque[_Queued] = collections.deque()  # oldest on the left
         self._tokens = 0
         self._on_drop = on_drop
 
     def add(
-        self, job: Callable[[], None], tokens: int, on_drop: Callable[[], object] | None = None
+        self,
+        job: Callable[[], None],
+        tokens: int,
+        on_drop: Callable[[], object] | None = None,
+        quick: bool = False,
     ) -> _Queued:
+        """Queue ``job``; one ``run_next`` must be put to the background thread for it."""
         item = _Queued(job, tokens, on_drop)
         dropped = []
         with self._lock:
-            self._queued.append(item)
+            (self._quick if quick else self._queued).append(item)
             self._tokens += tokens
-            while (self._tokens > BACKLOG_TOKENS or len(self._queued) > BACKLOG_JOBS) and len(
-                self._queued
-            ) > 1:
-                old = self._queued.popleft()
+            while self._tokens > BACKLOG_TOKENS or len(self) > BACKLOG_JOBS:
+                pool = self._queued if self._queued and self._queued[0] is not item else None
+                if pool is None:
+                    pool = self._quick if self._quick and self._quick[0] is not item else None
+                if pool is None:
+                    break  # only the piece just added is left
+                old = pool.popleft()
                 self._tokens -= old.tokens
-                old.job = None
-                dropped.append(old)
-        for old in dropped:
-            on_drop, old.on_drop = old.on_drop, None  # (it may hold the donor: let it go)
+                # taken under the lock (its on_drop may hold the donor: let go here)
+                dropped.append(old.on_drop)
+                old.job = old.on_drop = None
+        for on_drop in dropped:
             if on_drop is not None:
                 on_drop()
             self._on_drop()
         return item
 
-    def run(self, item: _Queued) -> None:
-        """Run ``item``'s job unless it was dropped (background thread)."""
+    def __len__(self) -> int:
+        return len(self._quick) + len(self._queued)
+
+    def run_next(self) -> None:
+        """Run the next piece, if any is left (background thread; dropped ones are gone)."""
         with self._lock:
-            job, item.job, item.on_drop = item.job, None, None
-            if job is None:
-                return
-            if self._queued[0] is item:  # jobs run in the order they were added
-                self._queued.popleft()
+            if self._quick:
+                item = self._quick.popleft()
+            elif self._queued:
+                item = self._queued.pop()
             else:
-                self._queued.remove(item)
+                return
+            job, item.job, item.on_drop = item.job, None, None
             self._tokens -= item.tokens
-        job()
+        if job is not None:
+            job()
 
 
 class DiscoveryService:
@@ -269,11 +286,13 @@ class DiscoveryService:
         return self._put(self._urgent, job)
 
     def run_background(self, job: Callable[[], object], holds_tokens: int = 0) -> Future:
-        """Run ``job`` on the background thread, after the donors queued for embedding (work
-        nothing waits for, such as a donor's alignment features; ``holds_tokens``: the tokens
-        only it keeps alive); dropped (cancelled) once registrations stop, or when the backlog
-        is full."""
-        return self._put(self._background, job, while_registering=True, tokens=holds_tokens)
+        """Run ``job`` on the background thread, ahead of the donors queued for embedding
+        (quick work nothing waits for, such as a donor's alignment features; ``holds_tokens``:
+        the tokens only it keeps alive); dropped (cancelled) once registrations stop, or when
+        the backlog is full."""
+        return self._put(
+            self._background, job, while_registering=True, tokens=holds_tokens, quick=True
+        )
 
     def _put(
         self,
@@ -281,9 +300,10 @@ class DiscoveryService:
         job: Callable[[], object],
         while_registering: bool = False,
         tokens: int | None = None,
+        quick: bool = False,
     ) -> Future:
         """``tokens`` (not None): donor work holding that many tokens, queued through the
-        bounded backlog."""
+        bounded backlog (``quick``: ahead of the embeddings)."""
         future: Future = Future()
 
         def run_job():
@@ -301,14 +321,18 @@ class DiscoveryService:
         if tokens is None:
             thread.put(run_job)
         else:
-            self._put_donor_work(run_job, tokens, on_drop=future.cancel)
+            self._put_donor_work(run_job, tokens, on_drop=future.cancel, quick=quick)
         return future
 
     def _put_donor_work(
-        self, job: Callable[[], None], tokens: int, on_drop: Callable[[], object] | None = None
+        self,
+        job: Callable[[], None],
+        tokens: int,
+        on_drop: Callable[[], object] | None = None,
+        quick: bool = False,
     ) -> None:
-        item = self._backlog.add(job, tokens, on_drop)
-        self._background.put(lambda: self._backlog.run(item))
+        self._backlog.add(job, tokens, on_drop, quick)
+        self._background.put(self._backlog.run_next)
 
     def register(
         self,
@@ -358,7 +382,8 @@ class DiscoveryService:
             thread.close(timeout_s)
 
     def wait_idle(self, timeout_s: float = 60) -> bool:
-        """Block until every job queued so far has run (tests, shutdown)."""
+        """Block until every job queued so far has run (tests, shutdown; donor work queued
+        meanwhile may run in the place of one queued before, newest first)."""
         events = [t.drained() for t in (self._urgent, self._background)]
         return all(e.wait(timeout_s) for e in events)
 

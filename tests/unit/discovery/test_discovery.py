@@ -31,12 +31,15 @@ class BagOfTokens:
         self.gate.set()
         self.calls = 0
         self.lengths = []  # of each text embedded, in words (token ids)
+        self.long_gate = threading.Event()  # holds long donors' embeddings while clear
+        self.long_gate.set()
 
     def embed(self, text):
         self.gate.wait(30)
         self.lengths.append(len(text.split()))
         if len(text.split()) > 1000:  # a long donor: half a second
             time.sleep(0.5)
+            self.long_gate.wait(30)
         self.calls += 1
         v = np.bincount([int(t) % VOCAB for t in text.split()], minlength=VOCAB).astype(np.float32)
         v /= max(np.linalg.norm(v), 1e-9)
@@ -131,7 +134,9 @@ def test_past_the_deadline_the_request_goes_on():
     assert answers[0] == (None, False) and answers[-1] == (0, False)
     assert 0.04 <= time.monotonic() - t0 < 2
     assert s.stats.totals["lookup_timeouts"] == 1 and found(s, "t") is None
-    assert 30 <= s.stats.totals["lookup_wait_ms"] <= 60  # held back until the deadline only
+    # never held past the deadline (a loaded machine may sleep through all of it between two
+    # asks: then its one "wait" counts 0 ms; the elapsed time above shows it was held)
+    assert 0 <= s.stats.totals["lookup_wait_ms"] <= 50
     emb.gate.set()
 
 
@@ -256,9 +261,9 @@ def test_a_prompt_too_long_to_embed_by_its_deadline_is_answered_at_once():
     # 1,500 tokens would take 1.5 s: past the deadline, so answered without an embedding
     long = request("b", list(range(6000, 7350)) + DOC[:150])
     s.on_new_request(long)
-    t0 = time.monotonic()
     assert ask(s, long)[-1] == (0, False)
-    assert time.monotonic() - t0 < 0.5 and emb.calls == calls + 2
+    assert emb.calls == calls + 2  # not embedded
+    assert "lookup_timeouts" not in s.stats.totals  # answered before its deadline
     assert found(s, "b") is None and s.stats.totals["lookups_too_long_to_embed"] == 1
     # just as long, but holding 60% of the donor's grams: a candidate without an embedding
     close = request("c", list(range(8000, 8120)) + [9] * 1190 + DOC[:190])
@@ -281,9 +286,8 @@ def test_a_long_prompt_is_not_embedded_blind_before_the_rate_is_known():
     calls = emb.calls
     long = request("b", list(range(6000, 7350)) + DOC[:150])  # 1.5 s to embed whole
     s.on_new_request(long)
-    t0 = time.monotonic()
     assert ask(s, long)[-1] == (0, False)
-    assert time.monotonic() - t0 < 0.7  # the probe only
+    # the probe only
     assert emb.calls == calls + 1 and emb.lengths[-1] <= EmbedSpeed.PROBE_TOKENS
     assert s.stats.totals["lookups_too_long_to_embed"] == 1
     assert "lookup_timeouts" not in s.stats.totals
@@ -433,17 +437,20 @@ def test_an_embedder_that_cannot_load_turns_discovery_off():
 
 
 def test_a_lookup_does_not_wait_behind_a_long_donor():
-    s, _ = scheduler()
+    s, emb = scheduler()
     finish(s, DOC)
     settle(s)
-    finish(s, list(range(1000, 3000)))  # a long donor: 0.5 s to embed
-    time.sleep(0.02)  # its embedding has started
+    emb.long_gate.clear()  # the long donor's embedding starts and does not end
+    finish(s, list(range(1000, 3000)))
+    deadline = time.monotonic() + 10
+    while emb.lengths[-1] < 1000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert emb.lengths[-1] == 2000  # its embedding has started
     target = request("t", [7] * 5 + DOC)
     s.on_new_request(target)
-    t0 = time.monotonic()
-    ask(s, target)
-    assert time.monotonic() - t0 < 0.3  # on its own thread, beside the long donor
-    assert found(s, "t") is not None
+    ask(s, target)  # answered while the long donor is still held: on its own thread
+    assert found(s, "t") is not None and emb.calls == 1  # the long one not done yet
+    emb.long_gate.set()
     settle(s)
     assert s.stats.totals["donors_embedded"] == 2
 
@@ -512,6 +519,37 @@ def test_a_donors_alignment_features_are_ready_before_its_embedding_ends():
     assert s.stats.totals["donors_embedded"] == 1
 
 
+def test_in_a_burst_every_donor_is_prepared_first_and_the_newest_embedded_first():
+    """Donor work ran in arrival order: a donor's alignment features (a tenth of a second at
+    4K) waited behind the embeddings (seconds each) of every donor before it, so a target found
+    by its text in a burst aligned unprepared, past its deadline; and the newest donor, the one
+    a chat's next turn asks for, was embedded last. Now the features of every queued donor go
+    first, then the embeddings, newest first."""
+    from semshare_vllm.alignment import AlignParams
+    from semshare_vllm.scheduler.planner import Aligner
+
+    embedder = BagOfTokens()
+    s, _ = scheduler(embedder)
+    aligner = Aligner(AlignParams(stages=("exact",)), None, None)
+    s.search.aligner = aligner
+    busy = threading.Event()
+    s.discovery.run_background(lambda: busy.wait(10))  # the thread is taken: work queues up
+    embedder.gate.clear()  # and no embedding can finish
+    docs = [list(range(1000 * i, 1000 * i + 200 + i)) for i in range(4)]
+    for doc in docs:
+        finish(s, doc)
+    s.build_connector_meta(None)
+    busy.set()
+    deadline = time.monotonic() + 10
+    while len(aligner._kept) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(aligner._kept) == 4  # every donor prepared, while the first embedding waits
+    embedder.gate.set()
+    settle(s)
+    assert embedder.lengths == [203, 202, 201, 200]  # newest first
+    assert s.stats.totals["donors_embedded"] == 4
+
+
 def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(monkeypatch):
     """Crash-class review: every new donor queued a copy of its tokens for the background
     thread, with no bound, so under a sustained load the embedder could not keep up with, the
@@ -559,6 +597,28 @@ def test_donors_arriving_faster_than_they_are_embedded_keep_a_bounded_backlog(mo
     finally:
         embedder.gate.set()
         service.close()
+
+
+def test_a_dropped_donor_whose_run_comes_meanwhile_still_calls_its_on_drop(monkeypatch):
+    """Review of e647fe0: ``add`` took the oldest items out under the backlog's lock but read
+    their on_drop after it, while ``run`` (the background thread, whose turn the oldest item
+    is) cleared it even for an item already dropped: a run landing in between lost the on_drop
+    (a donor never announced, a future never cancelled). Here the first dropped item's on_drop
+    stands in for the background thread reaching the second."""
+    from semshare_vllm.discovery import service as service_module
+
+    monkeypatch.setattr(service_module, "BACKLOG_TOKENS", 10, raising=False)
+    skipped, called, second = [], [], []
+    backlog = service_module._DonorBacklog(lambda: skipped.append(1))
+
+    def first_dropped():
+        called.append("first")
+        backlog.run_next()  # the background thread's turn comes now
+
+    backlog.add(lambda: called.append("ran"), 4, first_dropped)
+    second.append(backlog.add(lambda: called.append("ran"), 4, lambda: called.append("second")))
+    backlog.add(lambda: None, 10, None)  # pushes both out
+    assert len(skipped) == 2 and called == ["first", "second"]
 
 
 def test_a_restore_of_many_donors_embeds_them_all():
@@ -622,6 +682,6 @@ def test_a_donor_that_gets_no_embedding_still_calls_its_on_drop():
         )
         service.register("gone", 2, lambda: None, on_drop=lambda: ended.append("gone"))
         assert service.wait_idle()
-        assert ended == ["dropped", "gone"]
+        assert sorted(ended) == ["dropped", "gone"]
     finally:
         service.close()
