@@ -25,6 +25,7 @@ remote backend are asynchronous, and ``put`` waits (boundedly) until one is read
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -39,17 +40,41 @@ import torch
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.store.base import DonorKVStore
 
-# Before LMCache is imported: no usage telemetry; its Prometheus files in a private directory, not
-# the fixed one it would share with every user of the machine.
+# Before LMCache is imported: no usage telemetry.
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="semshare-lmc-"))
 
-import lmcache  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+_PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@contextlib.contextmanager
+def _private_prometheus_dir():
+    """LMCache puts its Prometheus files under ``PROMETHEUS_MULTIPROC_DIR``, a fixed directory
+    in /tmp shared by every user of the machine where that is unset: a private one, set only
+    while LMCache imports and builds an engine (where the process has none of its own). Left
+    in the environment, every process started from this one afterwards (a `vllm serve`,
+    vLLM's workers) would inherit it, and prometheus_client would sum all their counters into
+    each one's /metrics."""
+    if os.environ.get(_PROMETHEUS_DIR):
+        yield
+        return
+    os.environ[_PROMETHEUS_DIR] = tempfile.mkdtemp(prefix="semshare-lmc-")
+    try:
+        yield
+    finally:
+        os.environ.pop(_PROMETHEUS_DIR, None)
+
+
+# First, outside it: prometheus_client chooses at import, once per process, whether its metrics
+# live in that directory's files, and then reads the variable at each metric it creates.
+import prometheus_client  # noqa: E402, F401, I001
+
+with _private_prometheus_dir():
+    import lmcache
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+    from lmcache.v1.metadata import LMCacheMetadata
 
 logger = logging.getLogger("vllm.semshare.lmcache")
 
@@ -122,15 +147,16 @@ class LMCacheKVStore(DonorKVStore):
         # worker) keeps its own.
         start_method = multiprocessing.get_start_method(allow_none=True)
         try:
-            self.engine = LMCacheEngineBuilder.get_or_create(
-                self._id,
-                config,
-                metadata,
-                _RowsConnector(num_layers, num_kv_heads * head_size),
-                None,
-                None,
-            )
-            self.engine.post_init()
+            with _private_prometheus_dir():
+                self.engine = LMCacheEngineBuilder.get_or_create(
+                    self._id,
+                    config,
+                    metadata,
+                    _RowsConnector(num_layers, num_kv_heads * head_size),
+                    None,
+                    None,
+                )
+                self.engine.post_init()
         finally:
             if multiprocessing.get_start_method(allow_none=True) != start_method:
                 multiprocessing.set_start_method(start_method, force=True)

@@ -206,3 +206,32 @@ def test_the_first_put_after_a_redis_restart_is_readable():
         writer.close()
         reader.close()
         server.stop()
+
+
+def test_lmcache_leaves_no_prometheus_directory_to_the_processes_started_after():
+    """Importing the LMCache store set PROMETHEUS_MULTIPROC_DIR for the rest of the process (so
+    that LMCache's files went to a private directory, not its fixed one in /tmp): every process
+    started from it afterwards, a `vllm serve` or vLLM's own workers, inherited the directory,
+    and prometheus_client then summed every such process's counters into each one's /metrics
+    (seen in this suite: a server reported the semantic hits of two servers before it). The
+    directory is set only while LMCache is imported and builds an engine."""
+    import subprocess
+    import sys
+
+    script = """
+import os
+os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+import semshare_vllm.store.lmcache_store as m
+assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ, "after import"
+import torch
+s = m.LMCacheKVStore(3, 2, 32, torch.float32, "m", 1 << 25, chunk_size=16)
+assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ, "after build"
+import prometheus_client
+prometheus_client.Counter("made_after", "a metric this process creates later")
+s.close()
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
