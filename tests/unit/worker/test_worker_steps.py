@@ -758,20 +758,25 @@ def test_lmcache_is_closed_only_once_no_call_of_ours_is_inside_it(monkeypatch):
     assert closed.wait(5)  # once it returned
 
 
-def test_a_stalled_disk_with_lmcache_behind_it_keeps_the_donor(monkeypatch, tmp_path):
+@pytest.mark.parametrize("lmcache", ["holds nothing", "refuses the connection"])
+def test_a_stalled_disk_with_lmcache_behind_it_keeps_the_donor(monkeypatch, tmp_path, lmcache):
     """Second review: with the LMCache tier on, a load whose disk stalled went on to LMCache,
     which did not hold the donor either, and that plain "not there" made the donor bad: the
-    scheduler forgot it and its file was deleted. The stall is what the load reports."""
+    scheduler forgot it and its file was deleted. Review of e647fe0: the same when LMCache
+    raised instead (its remote refused the connection). Whatever LMCache says, the file was
+    not read: the stall is what the load reports."""
     import threading
 
     from semshare_vllm.core.counters import StatsRecorder
     from semshare_vllm.store import donor_file, host_store
     from semshare_vllm.worker.tier import Tier
 
-    class Empty:  # an LMCache that holds nothing
+    class LMCache:
         dtype = torch.float32
 
         def get(self, key, token_ids):
+            if lmcache == "refuses the connection":
+                raise ConnectionError("redis: connection refused")
             return None
 
         def close(self):
@@ -782,46 +787,7 @@ def test_a_stalled_disk_with_lmcache_behind_it_keeps_the_donor(monkeypatch, tmp_
     key = captured_donor(w)
     w.kv.store.flush()
     w.kv.store.drop_memory(key)
-    w.kv.tier = Tier(Empty, StatsRecorder(), rank=0)
-    disk = threading.Event()
-    real_read = donor_file.read
-    monkeypatch.setattr(donor_file, "read", lambda path: (disk.wait(5), real_read(path))[1])
-    load = LoadSpec("b", key, 0, 0, 40, [3, 4], seq=9, donor_token_ids=list(range(40)))
-    try:
-        w.start_load_kv(SemShareConnectorMetadata(loads=[load]))
-    finally:
-        disk.set()
-    assert w.get_block_ids_with_load_errors() == {3, 4}
-    assert w.build_worker_meta().bad_donors == []
-    assert w.stats.totals["loads_not_read_in_time"] == 1
-    w.shutdown()
-
-
-def test_a_stalled_disk_with_a_failing_lmcache_keeps_the_donor(monkeypatch, tmp_path):
-    """Review of e647fe0: as above, but LMCache raised (its remote refused the connection)
-    instead of answering "not there": the disk's stall was dropped and the donor made bad (the
-    scheduler forgot it, its good file deleted). Whatever LMCache says, the file was not read."""
-    import threading
-
-    from semshare_vllm.core.counters import StatsRecorder
-    from semshare_vllm.store import donor_file, host_store
-    from semshare_vllm.worker.tier import Tier
-
-    class Down:
-        dtype = torch.float32
-
-        def get(self, key, token_ids):
-            raise ConnectionError("redis: connection refused")
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(host_store, "DISK_READ_TIMEOUT_S", 0.2)
-    w = registered_worker(monkeypatch, persist_root=tmp_path)
-    key = captured_donor(w)
-    w.kv.store.flush()
-    w.kv.store.drop_memory(key)
-    w.kv.tier = Tier(Down, StatsRecorder(), rank=0)
+    w.kv.tier = Tier(LMCache, StatsRecorder(), rank=0)
     disk = threading.Event()
     real_read = donor_file.read
     monkeypatch.setattr(donor_file, "read", lambda path: (disk.wait(5), real_read(path))[1])
