@@ -148,7 +148,9 @@ def _stamp(late: weakref.ref, clock: Callable[[], float]) -> Callable[[Future], 
 
 
 class _Runner:
-    """The thread a guard's calls run on, one after the other, set up once."""
+    """The thread a guard's calls run on, one after the other, set up once. A daemon, unlike
+    ``cpu_binding.connector_thread``'s executor, whose threads the interpreter joins at exit: a
+    read stuck on a hung mount must not hold the process from exiting."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
