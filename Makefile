@@ -74,7 +74,8 @@ test: lint models redis
 # .venv-vllm033. VLLM_TARGET_DEVICE=cpu: a CUDA build finds no platform without a GPU, and vLLM
 # takes this for CPU-only runs of an accelerator wheel. The CPU attention kernels' tests are left
 # out: the CUDA wheel ships no CPU kernels (its vllm._C is CUDA-only).
-VLLM033_TESTS := tests/unit/vllm_scheduler tests/unit/scheduler tests/unit/vllm_compat
+VLLM033_TESTS := tests/unit/vllm_scheduler tests/unit/scheduler tests/unit/vllm_compat \
+	tests/unit/layout/test_identity.py tests/unit/layout/test_geometry.py
 
 test-vllm033: vllm033
 	$(PY033) -m semshare_vllm.testbed.models smollm2

@@ -27,11 +27,12 @@ from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.discovery.service import build_discovery
 from semshare_vllm.layout.geometry import kv_geometry
-from semshare_vllm.metadata import SemShareConnectorMetadata
+from semshare_vllm.metadata import SemShareConnectorMetadata, SemShareHandshake
 from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.scheduler.planner import Aligner
 from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
+from semshare_vllm.vllm_compat import connector_registry
 from semshare_vllm.worker import SemShareWorker
 
 logger = logging.getLogger("vllm.semshare")
@@ -169,6 +170,11 @@ class SemShareConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        # every worker's SemShareHandshake, once the engine is built and before any request
+        if self.scheduler is not None:
+            self.scheduler.confirm_workers(metadata)
+
     def reset_cache(self) -> bool | None:
         # vLLM's reset_prefix_cache(reset_connector=True), which its pause and sleep call
         return self.scheduler.reset_cache() if self.scheduler is not None else None
@@ -204,6 +210,17 @@ class SemShareConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> SemShareHandshake | None:
+        # (inside a MultiConnector: none, and the scheduler half compares nothing)
+        if (
+            self.worker is None
+            or self.worker.geometry.unsupported
+            or not connector_registry.serves_alone(self)
+        ):
+            return None
+        g = self.worker.geometry
+        return SemShareHandshake(g.fingerprint, g.local_only)
 
     def build_connector_worker_meta(self):
         return self.worker.build_worker_meta() if self.worker is not None else None

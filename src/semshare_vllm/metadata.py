@@ -2,7 +2,8 @@
 
 Scheduler -> worker: ``SemShareConnectorMetadata`` (built once per step; pickled to worker
 processes, so plain lists only). Worker -> scheduler: ``SemShareWorkerMetadata`` (through vLLM's
-``build_connector_worker_meta`` back-channel). The donor key they carry is
+``build_connector_worker_meta`` back-channel), and once at start-up ``SemShareHandshake``
+(vLLM's connector handshake). The donor key they carry is
 ``core.keys.DonorKey``, which the catalog and the stores use without vLLM.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -172,3 +174,14 @@ class SemShareWorkerMetadata(KVConnectorWorkerMetadata):
             sorted(set(self.loads_done) | set(other.loads_done)),
             self.weights_changed or other.weights_changed,
         )
+
+
+@dataclass
+class SemShareHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once, at start-up before any request (vLLM collects it from every
+    worker after the KV cache is registered): the fingerprint this worker files its donors
+    under, of what it loaded (``layout/geometry.py``), and why its donors stay in its process
+    (``KVGeometry.local_only``), if they do."""
+
+    fingerprint: str
+    local_only: str | None = None

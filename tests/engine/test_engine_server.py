@@ -90,6 +90,8 @@ def test_serve_hit_isolation_and_restart(model, cold, tmp_path):
         skipped = srv.complete(DOCS["cut"] + Q2)
         assert skipped.cached_tokens == 0 and skipped.text == cold["cut"]
         assert "skipping persisted donor" in srv.log_text()
+        # vLLM's start-up handshake: the worker loaded what this fingerprint names
+        assert "1 worker(s) compute under this engine's fingerprint" in srv.log_text()
 
 
 def test_serve_discovers_the_donor_behind_another_instruction(model, tmp_path, monkeypatch):

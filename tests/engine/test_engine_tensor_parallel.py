@@ -119,8 +119,11 @@ def cold(llm, prompts):
     return run(llm, prompts["b"], OFF)  # this engine's own answer, nothing reused
 
 
-def test_both_ranks_are_workers_of_one_engine(llm):
+def test_both_ranks_are_workers_of_one_engine(llm, sched):
     assert llm.collective_rpc(worker_rpc.rank) == [0, 1]
+    # each worker process reported, at start-up, the fingerprint of the identity it took as it
+    # loaded the model; this process (which loaded nothing) computed the same one
+    assert sched.workers_confirmed == 2 and sched.geometry.local_only is None
 
 
 def test_a_semantic_hit_answers_as_cold_with_the_same_positions_on_both_ranks(

@@ -62,6 +62,8 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
     same = lifetime(model, persist, tmp_path, prompt=b)  # control: same weights, restart
     assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0
     assert same["fingerprint"] == first["fingerprint"]
+    # the worker's fingerprint (of the identity taken as it loaded) is the scheduler's
+    assert same["workers_confirmed"] == 1 and same["local_only"] == [None, None]
 
     rewrite_weights(model)
     other = lifetime(model, persist, tmp_path, prompt=b)
@@ -70,6 +72,41 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
     cold = offline.reference_outputs(str(model), [b], MAX_TOKENS)[0]
     assert other["out"]["token_ids"] == cold["token_ids"]
     assert other["out"]["num_cached_tokens"] == 0
+
+
+def test_a_checkpoint_replaced_while_the_engine_starts_lends_its_donors_no_other_name(tmp_path):
+    """``vllm serve /ckpt/latest`` while a trainer points ``latest`` at the next checkpoint,
+    after vLLM loaded the weights and before the connector is built. Before: the engine computed
+    with step 1 and persisted its donors under step 2's fingerprint (read when the connector was
+    built), and a restart on step 2 restored them and served step 1's KV as exact. Now the
+    identity is the one taken as the model loaded: that engine keeps its donors to itself, and
+    the restart restores nothing and answers as step 2 does cold."""
+    step1, a, b, filler = model_and_prompts(tmp_path)
+    step2 = tmp_path / "step2"
+    shutil.copytree(step1, step2)
+    rewrite_weights(step2)
+    latest = tmp_path / "latest"
+    latest.symlink_to(step1)
+    persist = tmp_path / "donors"
+
+    swapped = lifetime(
+        latest,
+        persist,
+        tmp_path,
+        prompt=a,
+        capture=True,
+        filler=filler,
+        swap=[str(latest), str(step2)],
+    )
+    assert latest.resolve() == step2.resolve()  # the swap happened during its start-up
+    assert swapped["worker"]["captured_donors"] >= 1  # kept in memory, as ever
+    assert all(swapped["local_only"]) and "loaded them" in swapped["local_only"][1]
+    assert not list(persist.rglob("*.safetensors"))
+    restart = lifetime(latest, persist, tmp_path, prompt=b)
+    assert restart["local_only"] == [None, None] and restart["restored"] == 0
+    assert restart["scheduler"].get("hit_tokens", 0) == 0
+    cold = offline.reference_outputs(str(step2), [b], MAX_TOKENS)[0]
+    assert restart["out"]["token_ids"] == cold["token_ids"]
 
 
 def test_donors_of_random_weights_are_never_persisted(tmp_path):

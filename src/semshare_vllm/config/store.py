@@ -30,11 +30,14 @@ class StoreConfig(Section):
         "with a warning; partial files a killed writer left are removed at start-up (counted as "
         "persisted_incomplete). Writes waiting for a slow disk hold at most a quarter of "
         "host_store_bytes; donors past that stay memory-only (persist_backlog_skipped). Donors "
-        "are kept apart by an engine fingerprint (weights, model "
-        "code, load format, dtypes, RoPE, max_model_len, block size, parallel layout, vLLM "
-        "version); an engine whose weights cannot be told from others (load_format 'dummy', "
-        "weights streamed from a URL, a hub id with no snapshot in vLLM's cache) persists and "
-        "shares nothing, with one warning; so does an engine after vLLM reset its connector "
+        "are kept apart by an engine fingerprint (weights and model code, their configuration "
+        "and quantisation files, load format and loader options, the model config in effect, "
+        "quantisation, dtypes, max_model_len, multimodal settings, the draft model, block size, "
+        "parallel layout, vLLM version: docs/architecture.md); an engine whose weights cannot "
+        "be told from others (load_format 'dummy', a tensorizer URI, weights streamed from a "
+        "URL or another process, a hub id with no snapshot in vLLM's cache), or whose model "
+        "files changed while it started, persists and shares nothing, with one warning; so "
+        "does an engine after vLLM reset its connector "
         "(its pause and sleep do, around weight updates), which also deletes the files.",
     )
     capture: bool = knob(True, "Capture the KV of finished requests as donors.")

@@ -2,34 +2,35 @@
 
 Both halves compute the same ``KVGeometry`` from the same ``KVCacheConfig``, so the scheduler's
 byte accounting and the worker's stored tensors agree, and persisted donors carry a fingerprint
-of it. Models or parallel layouts we cannot handle yet get ``unsupported`` set (with the reason)
-and the connector stays out of their way: no claims, no captures.
+of it (the workers report theirs at start-up: ``SemShareHandshake``). Models or parallel layouts
+we cannot handle yet get ``unsupported`` set (with the reason) and the connector stays out of
+their way: no claims, no captures.
 
-The fingerprint also keys what changes the KV of the same tokens without changing its shape: the
-weights' and model code's identity (a new checkpoint at the same path), how they are loaded, their
-quantisation, RoPE (overrides, and ``max_model_len``, by which vLLM picks LongRoPE's factors), the
-KV cache dtype and the vLLM version, so that donors persisted or shared by an engine running other
-weights are never served as exact. Where nothing tells the weights from others (random weights,
-weights streamed from a URL, a hub id with no snapshot in the cache), ``local_only`` says why:
-that engine persists and shares nothing. Quantised KV with per-tensor fp8 scales gets
-``exact_only`` (the reason): exact page copies stay valid, the RoPE correction and the selective
-recompute (which ignore the scales) are off. Any other quantised KV is ``unsupported``: a page
-copy would not carry its scales.
+The fingerprint also keys what changes the KV of the same tokens without changing its shape
+(``layout/identity.py``: the weights, the model definition, quantisation, the KV cache dtype,
+the vLLM version), so that donors persisted or shared by an engine running other weights are
+never served as exact. Where nothing tells the weights from others (random weights, weights
+streamed from a URL, a hub id with no snapshot in the cache), or the model's files changed
+during or after the load, ``local_only`` says why: that engine persists and shares nothing.
+Quantised KV with per-tensor fp8 scales gets ``exact_only`` (the reason): exact page copies stay
+valid, the RoPE correction and the selective recompute (which ignore the scales) are off. Any
+other quantised KV is ``unsupported``: a page copy would not carry its scales.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from semshare_vllm.core.files import file_stats, hub_snapshot
-from semshare_vllm.vllm_compat import weight_updates
+from semshare_vllm.layout.identity import (
+    files_changed_since_load,
+    kv_identity,
+    unidentified_weights,
+)
+from semshare_vllm.vllm_compat import model_hook, weight_updates
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
     dtype = getattr(spec, "dtype", torch.float32)
     declined, exact_only = kv_quantisation(vllm_config, spec)
     reason = reason or declined
-    identity = kv_identity(vllm_config)
+    identity, moved = _identity(vllm_config)
     fp = fingerprint(
         str(vllm_config.model_config.model),
         str(dtype),
@@ -115,9 +116,32 @@ def kv_geometry(vllm_config, kv_cache_config) -> KVGeometry:
         fp,
         reason,
         exact_only,
-        unidentified_weights(identity, vllm_config.model_config)
+        moved
+        or unidentified_weights(
+            identity, vllm_config.model_config, getattr(vllm_config, "load_config", None)
+        )
         or weight_updates.plugin_left_out(),
     )
+
+
+def _identity(vllm_config) -> tuple[dict, str | None]:
+    """The identity of what this process loaded (taken just before the load, where the model
+    hook saw it; else now), and why donors must stay in the process if the model's files
+    changed during or since that load (the fingerprint would name weights not computed here),
+    or could not be read (never a reason not to start)."""
+    mc, lc = vllm_config.model_config, getattr(vllm_config, "load_config", None)
+    try:
+        at_load = model_hook.identity_at_load(vllm_config)
+        if at_load is None:
+            return kv_identity(vllm_config), None
+        if at_load.changed_during_load:
+            return at_load.identity, f"the files of {mc.model} changed while vLLM loaded them"
+        if files_changed_since_load(at_load.identity, mc, lc):
+            return at_load.identity, f"the files of {mc.model} changed after vLLM loaded them"
+        return at_load.identity, None
+    except Exception as exc:
+        why = f"the model could not be identified ({type(exc).__name__}: {exc})"
+        return {"unidentified": why}, why
 
 
 # ---- KV formats ---------------------------------------------------------------------------------
@@ -155,120 +179,6 @@ def kv_quantisation(vllm_config, spec) -> tuple[str | None, str | None]:
         f"KV cache dtype {cache_dtype!r} is quantised (per-tensor fp8 scales): exact "
         "page copies only; the RoPE correction and selective recompute ignore the "
         "scales, so semantic reuse and recompute are off"
-    )
-
-
-# ---- what else keys the KV of the same tokens ----------------------------------------------------
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-# A local model's own code (``trust_remote_code``) computes its KV as much as its weights do.
-_MODEL_FILE_SUFFIXES = _WEIGHT_SUFFIXES + (".py",)
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _stable(obj):
-    """A JSON value for ``obj`` that is the same in every process (no object addresses)."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): _stable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_stable(v) for v in obj]
-        return sorted(items, key=repr) if isinstance(obj, (set, frozenset)) else items
-    if callable(obj) and hasattr(obj, "__qualname__"):
-        return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
-    to_dict = getattr(obj, "to_dict", None)
-    if callable(to_dict):
-        try:
-            return _stable(to_dict())
-        except Exception:
-            pass
-    return _ADDRESS.sub("", repr(obj))
-
-
-def _local_weights(path: Path) -> dict:
-    """Names, sizes and mtimes of a local model's weight and code files, and its config.json's
-    hash: a new checkpoint written at the same path changes it, and no weight byte is read."""
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(p for p in path.iterdir() if p.name.endswith(_MODEL_FILE_SUFFIXES))
-    )
-    out = {"files": file_stats(files)}
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    try:
-        out["config"] = hashlib.blake2b(config.read_bytes(), digest_size=16).hexdigest()
-    except OSError:
-        out["config"] = None
-    return out
-
-
-def weights_identity(model_config, load_config=None) -> dict:
-    model = str(getattr(model_config, "model", ""))
-    revision = getattr(model_config, "revision", None)
-    if os.path.exists(model):
-        return {"local": _local_weights(Path(model))}
-    cache_dir = getattr(load_config, "download_dir", None)
-    commit = hub_snapshot(model, revision, cache_dir)
-    return {"hub": model, "commit": commit, "revision": None if commit else revision}
-
-
-def unidentified_weights(identity: dict, model_config) -> str | None:
-    """Why ``identity`` (``kv_identity``'s) tells these weights from no other weights under the
-    same name, or None. Then a fingerprint cannot key them: their donors stay in this process."""
-    if identity["load_format"] == "dummy":
-        return "load_format 'dummy' computes with random weights"
-    model = str(getattr(model_config, "model", ""))
-    streamed = str(getattr(model_config, "model_weights", "") or "")
-    if streamed and streamed != model:
-        return f"the weights are streamed from {streamed}, whose version is not known here"
-    weights = identity["weights"]
-    if "local" in weights:
-        names = [name for name, _, _ in weights["local"]["files"]]
-        if os.path.isdir(model) and not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
-            return f"no weight files in {model}"
-        return None
-    if weights["commit"] is None:
-        return f"{model} is neither a local path nor a hub snapshot in the cache vLLM reads"
-    return None
-
-
-def kv_identity(vllm_config) -> dict:
-    """What changes the KV of the same tokens at the same shape: the weights (their identity,
-    how they are loaded, quantisation, dtype), RoPE (overrides, scaling, theta, and
-    ``max_model_len``, by which vLLM picks LongRoPE's factors), the KV cache dtype, and the vLLM
-    that computed and laid out the pages."""
-    import vllm
-
-    mc = vllm_config.model_config
-    cache_config = getattr(vllm_config, "cache_config", None)
-    rope = {}
-    hf_configs = [getattr(mc, "hf_config", None), getattr(mc, "hf_text_config", None)]
-    for i, hf in enumerate(c for c in hf_configs if c is not None):
-        if i and hf is hf_configs[0]:
-            continue
-        for name in (
-            "rope_scaling",
-            "rope_theta",
-            "rope_parameters",
-            "max_position_embeddings",
-            "partial_rotary_factor",
-        ):
-            rope[f"{i}.{name}"] = getattr(hf, name, None)
-    return _stable(
-        {
-            "weights": weights_identity(mc, getattr(vllm_config, "load_config", None)),
-            "load_format": str(
-                getattr(getattr(vllm_config, "load_config", None), "load_format", "auto") or "auto"
-            ).lower(),
-            "max_model_len": getattr(mc, "max_model_len", None),
-            "code_revision": getattr(mc, "code_revision", None),  # a hub model's remote code
-            "vllm": getattr(vllm, "__version__", None),
-            "quantization": getattr(mc, "quantization", None),
-            "model_dtype": str(getattr(mc, "dtype", None)),
-            "hf_overrides": getattr(mc, "hf_overrides", None),
-            "rope": rope,
-            "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),
-        }
     )
 
 

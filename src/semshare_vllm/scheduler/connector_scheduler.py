@@ -32,6 +32,7 @@ from semshare_vllm.metadata import (
     FailedLoad,
     LoadSpec,
     SemShareConnectorMetadata,
+    SemShareHandshake,
     SemShareWorkerMetadata,
 )
 from semshare_vllm.scheduler.capture import donor_for
@@ -114,6 +115,7 @@ class SemShareScheduler:
         self._load_seq = itertools.count(1)  # LoadSpec.seq: the worker's figures name their load
         self.requests: dict[str, RequestState] = {}
         self.recompute_ready = False  # the worker said it can repair
+        self.workers_confirmed = 0  # workers whose start-up fingerprint is this one's
         self._offered: list[RequestState] = []  # offers (or scoring flags) this step
         self._loads: list[LoadSpec] = []
         self._failed_loads: list[FailedLoad] = []
@@ -424,6 +426,57 @@ class SemShareScheduler:
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._capturing.keys() - self._given_back)
+
+    # ---- start-up: what the workers loaded -----------------------------------------------------
+    @guarded("comparing the workers' fingerprints", on_fault="_unconfirmed")
+    def confirm_workers(self, reports: dict[int, object]) -> None:
+        """vLLM's start-up handshake: each worker's ``SemShareHandshake``, of what it loaded.
+        The fingerprint here was computed when this half was built; a worker whose fingerprint
+        differs computes with other weights or settings (the model's files changed between its
+        load and now), and one whose donors stay in its process says why. Either way this half
+        restores, announces and takes in no donor from now on, and forgets those it restored (no
+        request has run yet; their files stay, for the engines whose donors they are). A worker
+        that computes under its own fingerprint still files its donors under it: they are right
+        for the weights it holds. Reports of other connectors (vLLM's ``MultiConnector`` hands
+        every connector the same ones) are not ours and are ignored."""
+        ours = {r: h for r, h in reports.items() if isinstance(h, SemShareHandshake)}
+        if self.geometry.unsupported or self.geometry.local_only or not ours:
+            return
+        why = None
+        for rank, report in sorted(ours.items()):
+            if report.local_only:
+                why = f"worker {rank}: {report.local_only}"
+            elif report.fingerprint != self.geometry.fingerprint:
+                why = (
+                    f"worker {rank} loaded a model other than the one this process identifies "
+                    "now (its files or settings changed during start-up)"
+                )
+            if why is not None:
+                break
+        if why is None:
+            self.workers_confirmed = len(ours)
+            logger.info(
+                "SemShare: %d worker(s) compute under this engine's fingerprint %s",
+                self.workers_confirmed,
+                self.geometry.fingerprint,
+            )
+            return
+        dropped = self.catalog.clear(drop_files=False)
+        self.snapshots = None
+        self.sharing.stop()
+        self.geometry = replace(self.geometry, local_only=why)
+        logger.warning(
+            "SemShare: this engine restores and shares no donor (%d restored donors forgotten): %s",
+            dropped,
+            why,
+        )
+
+    def _unconfirmed(self, reports=None) -> None:
+        """A fault in the comparison: nothing tells whether a restored donor is right for the
+        workers' weights, so the connector claims and captures nothing (as ``_reset_failed``)."""
+        self.geometry = replace(
+            self.geometry, unsupported="the workers' fingerprints could not be compared"
+        )
 
     # ---- vLLM resets the connector ------------------------------------------------------------
     @guarded("the connector reset", True, on_fault="_reset_failed")

@@ -33,12 +33,14 @@ class DonorCatalog:
             self.stats.add("donors_evicted", len(keys))
             self.changed = True
 
-    def clear(self) -> int:
-        """Forget every donor (the worker drops them all, files included); how many."""
+    def clear(self, drop_files: bool = True) -> int:
+        """Forget every donor; how many. ``drop_files``: the worker drops them all, files
+        included (else they stay where they are, for the engines whose donors they are)."""
         keys = [record.key for record in self.index.records()]
         for key in keys:
             self.index.remove(key)
-        self.evict(keys)
+        if drop_files:
+            self.evict(keys)
         return len(keys)
 
     def drop_bad(self, key: DonorKey) -> None:

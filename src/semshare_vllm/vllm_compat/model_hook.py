@@ -6,9 +6,13 @@ entry point in every process vLLM starts; it wraps ``load_model`` of each runner
 (V1 ``GPUModelRunner``, the V2 GPU runner, ``CPUModelRunner``, the V2 CPU runner). The wrapper
 calls the original, then, only when this engine's KV connector is ours, records the loaded model
 for this process. vLLM creates the worker-side connector after loading the model, so by
-``register_kv_caches`` the model is there (``loaded_model``). Nothing of vLLM's is edited on
-disk and no stack is inspected. If the worker finds no model recorded (a runner we do not
-know), it says so once and recompute is off (reuse stays exact-prefix).
+``register_kv_caches`` the model is there (``loaded_model``). Just before the load it takes the
+identity of what is about to be loaded (``layout/identity.py``; file stats, no weight byte), and
+after it whether the model's files changed meanwhile (``identity_at_load``): the fingerprint must
+name the weights computed here, not whatever the files hold when the connector is built.
+Nothing of vLLM's is edited on disk and no stack is inspected. If the worker finds no model
+recorded (a runner we do not know), it says so once and recompute is off (reuse stays
+exact-prefix).
 
 Touches the model runner classes (``load_model``, and the runner's ``vllm_config`` and ``model``
 attributes after it; a model inside vLLM's CUDA-graph wrappers is recorded unwrapped), by module
@@ -23,7 +27,9 @@ import functools
 import logging
 import threading
 import weakref
+from dataclasses import dataclass
 
+from semshare_vllm.layout import identity as kv_identity
 from semshare_vllm.vllm_compat import on_import, weight_updates
 
 logger = logging.getLogger("vllm.semshare.recompute")
@@ -39,12 +45,21 @@ RUNNERS = (
 )
 CONNECTOR_NAME = "SemShareConnector"
 
+
+@dataclass(frozen=True)
+class IdentityAtLoad:
+    identity: dict  # ``layout.identity.kv_identity`` just before the model loaded
+    changed_during_load: bool  # the model's files differed after the load
+
+
 _lock = threading.Lock()
 # id(vllm_config) -> the model loaded for it, and the runner that loaded it (whose per-request
 # state ``prompt_logprobs`` reaches), held weakly: an engine shut down in a process that starts
 # another (tests, notebooks) must not keep its model alive through us.
 _models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(vllm_config) -> (a weak reference to it, its IdentityAtLoad)
+_identities: dict[int, tuple[weakref.ref, IdentityAtLoad]] = {}
 _installed: list[str] = []
 _loads: dict[int, int] = {}  # id(vllm_config) -> the models loaded for it so far
 _depth = threading.local()  # load_model calls in progress on this thread
@@ -69,12 +84,16 @@ def _wrap(cls) -> bool:
 
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
+        config = getattr(self, "vllm_config", None)
+        outermost = getattr(_depth, "n", 0) == 0
+        before = _identity_now(config) if outermost and ours(config) else None
         _depth.n = getattr(_depth, "n", 0) + 1  # a runner's load_model may call its base's
         try:
             result = original(self, *args, **kwargs)
         finally:
             _depth.n -= 1
-        config = getattr(self, "vllm_config", None)
+        if before is not None:
+            _record_identity(config, before)
         model = _raw_model(getattr(self, "model", None))
         if model is not None and ours(config):
             with _lock:
@@ -91,6 +110,39 @@ def _wrap(cls) -> bool:
     load_model._semshare_wrapped = True
     cls.load_model = load_model
     return True
+
+
+def _identity_now(config) -> dict | None:
+    try:
+        return kv_identity.kv_identity(config)
+    except Exception:  # never a reason for the load to fail: the connector reads it later
+        logger.warning("SemShare: cannot identify the model before its load", exc_info=True)
+        return None
+
+
+def _record_identity(config, before: dict) -> None:
+    try:
+        changed = kv_identity.files_changed_since_load(
+            before, config.model_config, getattr(config, "load_config", None)
+        )
+        ref = weakref.ref(config)
+    except Exception:
+        logger.warning("SemShare: cannot identify the model after its load", exc_info=True)
+        return
+    with _lock:
+        _identities[id(config)] = (ref, IdentityAtLoad(before, changed))
+
+
+def identity_at_load(vllm_config) -> IdentityAtLoad | None:
+    """What this process loaded for ``vllm_config`` (None when the hook did not see the load:
+    another process loaded it, or a runner we do not know). That very config object only:
+    another engine's record (a test, a notebook) must never name this one's weights."""
+    with _lock:
+        for key, (ref, _) in list(_identities.items()):
+            if ref() is None:
+                del _identities[key]
+        found = _identities.get(id(vllm_config))
+        return found[1] if found is not None and found[0]() is vllm_config else None
 
 
 def _raw_model(model):

@@ -2,7 +2,9 @@
 on ``persist_dir``. Serves ``prompt`` (with the LoRA adapter ``lora``, ``[name, path]``, when
 given, and vLLM's own ``engine_args``, such as ``load_format``; then, with ``cold``, the same
 prompt opted out under its own salt), writes its donor to disk with ``capture``, and prints one
-JSON line: the outputs, the scheduler's and worker's stats, the fingerprint in use.
+JSON line: the outputs, the scheduler's and worker's stats, the fingerprint in use. With
+``swap`` (``[link, target]``), ``link`` is pointed at ``target`` right after vLLM loaded the
+model (a trainer replacing ``latest`` while the engine starts).
 
     persisted_other_weights.py MODEL PERSIST_DIR JOB_JSON
 """
@@ -24,6 +26,19 @@ if job.get("lora"):
 
     lora = LoRARequest(job["lora"][0], 1, job["lora"][1])
     engine_args.update(enable_lora=True, max_lora_rank=8, max_loras=1)
+if job.get("swap"):
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    link, target = job["swap"]
+    load_model = CPUModelRunner.load_model
+
+    def load_then_swap(self, *args, **kwargs):
+        out = load_model(self, *args, **kwargs)
+        os.unlink(link)
+        os.symlink(target, link)
+        return out
+
+    CPUModelRunner.load_model = load_then_swap
 llm = offline.semshare_llm(
     model,
     {"persist_dir": persist_dir, "host_store_bytes": "256MiB"},
@@ -55,6 +70,8 @@ print(
             "cold": cold,
             "restored": restored,
             "fingerprint": sched.geometry.fingerprint,
+            "local_only": [sched.geometry.local_only, worker.geometry.local_only],
+            "workers_confirmed": sched.workers_confirmed,
             "scheduler": scheduler,
             "worker": dict(worker.stats.totals),
         }

@@ -9,7 +9,7 @@ from support.scheduler import LAYERS, Blocks, finish, geometry, request
 from semshare_vllm.config import SemShareConfig
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey, donor_id_for
-from semshare_vllm.metadata import SemShareWorkerMetadata
+from semshare_vllm.metadata import SemShareHandshake, SemShareWorkerMetadata
 from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.store import donor_file
 
@@ -218,7 +218,7 @@ class FakeFeed:
         out, self.arrivals = self.arrivals, []
         return out
 
-    def close(self):
+    def close(self, timeout_s=None):
         self.closed = True
 
 
@@ -466,3 +466,67 @@ def test_start_up_skips_a_file_that_vanishes_or_lies_in_its_header(tmp_path):
     assert s.stats.totals["donors_restored"] == 1
     assert s.stats.totals["persisted_skipped"] == 2
     assert s.get_num_new_matched_tokens(request("t", good + [1], salt="ns"), 0) == (64, False)
+
+
+def _persisted_donor(root, tokens):
+    key_id = donor_id_for("ns", tokens)
+    path = donor_file.donor_path(root, key_id, 0, 1)
+    kv = torch.zeros(len(LAYERS), 2, len(tokens), 2, 8)
+    donor_file.write(path, "ns", key_id, tokens, list(LAYERS), "L", kv)
+    return path
+
+
+def test_workers_that_loaded_another_model_keep_the_engines_donors_at_home(tmp_path):
+    """vLLM's start-up handshake brings each worker's fingerprint, of the identity it took as
+    it loaded the model. This half computed its own later: when the model's files changed in
+    between, the two differ, and the donors restored under this half's fingerprint (another
+    checkpoint's) would be served over the weights the workers hold. They are forgotten
+    before any request (their files stay), and nothing is persisted or shared from then on."""
+    tokens = list(range(64))
+    path = _persisted_donor(tmp_path / "fp", tokens)
+    for reports in (
+        {0: SemShareHandshake("fp"), 1: SemShareHandshake("another")},
+        {0: SemShareHandshake("fp", local_only="the files changed after vLLM loaded them")},
+    ):
+        feed = FakeFeed()
+        s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry(), feed=feed)
+        assert s.stats.totals["donors_restored"] == 1
+        s.confirm_workers(reports)
+        assert s.geometry.local_only and "worker" in s.geometry.local_only
+        assert s.workers_confirmed == 0 and s.snapshots is None and feed.closed
+        assert s.get_num_new_matched_tokens(request("t", tokens + [1], salt="ns"), 0) == (0, False)
+        assert s.build_connector_meta(None).evictions == [] and path.exists()
+
+
+def test_workers_that_loaded_this_model_change_nothing(tmp_path):
+    tokens = list(range(64))
+    _persisted_donor(tmp_path / "fp", tokens)
+    feed = FakeFeed()
+    s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry(), feed=feed)
+    s.confirm_workers({0: SemShareHandshake("fp"), 1: SemShareHandshake("fp")})
+    assert s.geometry.local_only is None and s.workers_confirmed == 2 and not feed.closed
+    assert s.get_num_new_matched_tokens(request("t", tokens + [1], salt="ns"), 0) == (64, False)
+
+
+def test_a_fault_comparing_the_workers_turns_the_connector_off(tmp_path, monkeypatch):
+    tokens = list(range(64))
+    _persisted_donor(tmp_path / "fp", tokens)
+    s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
+    monkeypatch.setattr(s.catalog, "clear", lambda **kw: 1 / 0)
+    s.confirm_workers({0: SemShareHandshake("another")})
+    assert s.geometry.unsupported
+    assert s.get_num_new_matched_tokens(request("t", tokens + [1], salt="ns"), 0) == (0, False)
+
+
+def test_a_fault_in_the_connector_reset_never_reaches_vllm():
+    """vLLM's ``reset_connector_cache`` (its pause and sleep) has no ``try``: a fault of ours in
+    the reset (here the shared index's close) must turn the connector off, not fail the pause
+    (the review of the handshake change: its method was inserted under the reset's guard)."""
+
+    class RaisingFeed(FakeFeed):
+        def close(self, timeout_s=None):
+            raise ConnectionError("redis went away")
+
+    s = SemShareScheduler(SemShareConfig(), geometry(), feed=RaisingFeed())
+    assert s.reset_cache() is True
+    assert s.geometry.unsupported

@@ -31,3 +31,31 @@ def test_the_declared_entry_point_registers_the_connector_and_installs_the_hook(
     assert declared[0].load() is plugin.register
     plugin.register()
     assert calls == ["name", "hook"]
+
+
+def test_inside_a_multiconnector_ours_gives_no_handshake(monkeypatch):
+    """vLLM's ``MultiConnector`` hands every connector the first handshake metadata any of them
+    gives: ours, listed before NIXL, would reach NIXL's scheduler, which raises and stops the
+    engine (the review's reproduction on vLLM 0.32's MultiConnector and NIXL). Ours gives one
+    only as the worker's connector itself."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from semshare_vllm.connector import SemShareConnector
+    from semshare_vllm.metadata import SemShareHandshake
+
+    ours = object.__new__(SemShareConnector)
+    ours.worker = SimpleNamespace(
+        geometry=SimpleNamespace(fingerprint="fp", unsupported=None, local_only=None)
+    )
+    multi = object.__new__(MultiConnector)
+    multi._connectors = [ours]
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", ours)
+    assert ours.get_handshake_metadata() == SemShareHandshake("fp", None)
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", multi)
+    assert ours.get_handshake_metadata() is None
+    assert MultiConnector.get_handshake_metadata(multi) is None
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    assert not connector_registry.serves_alone(ours)
