@@ -103,6 +103,8 @@ def _stable(obj):
     """A JSON value for ``obj`` that is the same in every process (no object addresses)."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
     if isinstance(obj, dict):
         return {str(k): _stable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
@@ -141,7 +143,9 @@ def _with_files(value):
         return {k: _with_files(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_with_files(v) for v in value]
-    if isinstance(value, str) and value and len(value) < 4096:
+    # (a path: a separator or an extension; a bare word such as "auto" is no file name, even
+    # where the working directory holds one)
+    if isinstance(value, str) and 0 < len(value) < 4096 and (os.sep in value or "." in value):
         try:
             if os.path.isfile(value):
                 return {"file": value, "content": _digest(Path(value))}
@@ -264,11 +268,14 @@ def kv_identity(vllm_config) -> dict:
     cache_config = getattr(vllm_config, "cache_config", None)
     settings = {
         "model": {name: _stable(getattr(mc, name, None)) for name in _MODEL_FIELDS},
-        # vLLM picks LongRoPE's factors by the length the model is built with: the one asked
-        # for. ``max_model_len`` itself may be fitted to the KV memory after the load ("auto",
-        # -1), in the engine core's copy first and the workers' later.
+        # vLLM picks LongRoPE's factors by the length the model is built with. Asked for as
+        # "auto" (-1), it is fitted to the KV memory after the load, in the engine core's copy
+        # first and the workers' later: keyed as asked. Any other is what the model was built
+        # with (vLLM may lower it before, to a draft's: keyed as lowered).
         "max_model_len": _stable(
-            getattr(mc, "original_max_model_len", getattr(mc, "max_model_len", None))
+            -1
+            if getattr(mc, "original_max_model_len", None) == -1
+            else getattr(mc, "max_model_len", None)
         ),
         "loader": _stable(_loader_options(load_config)),
         "multimodal": _multimodal(mc),

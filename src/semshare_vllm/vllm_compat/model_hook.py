@@ -58,7 +58,8 @@ _lock = threading.Lock()
 # another (tests, notebooks) must not keep its model alive through us.
 _models: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _runners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-# id(vllm_config) -> (a weak reference to it, its IdentityAtLoad)
+# id(model_config) -> (a weak reference to it, its IdentityAtLoad): keyed by the engine's
+# ModelConfig, which vLLM's MultiConnector shares with the copy of the VllmConfig it hands us
 _identities: dict[int, tuple[weakref.ref, IdentityAtLoad]] = {}
 _installed: list[str] = []
 _loads: dict[int, int] = {}  # id(vllm_config) -> the models loaded for it so far
@@ -68,10 +69,27 @@ _depth = threading.local()  # load_model calls in progress on this thread
 def ours(vllm_config) -> bool:
     """Whether this engine's KV connector is SemShare (the hook does nothing otherwise)."""
     kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is None:
-        return False
-    path = getattr(kv, "kv_connector_module_path", None) or ""
-    return kv.kv_connector == CONNECTOR_NAME or path.startswith("semshare_vllm")
+    return kv is not None and _names_ours(kv.kv_connector, kv.kv_connector_module_path)
+
+
+def ours_anywhere(vllm_config) -> bool:
+    """``ours``, or SemShare among the connectors of vLLM's ``MultiConnector`` (whose
+    ``kv_connector_extra_config["connectors"]`` lists them): the identity at load is taken for
+    those too (the model is not recorded there: recompute stays off inside a MultiConnector)."""
+    if ours(vllm_config):
+        return True
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv, "kv_connector_extra_config", None) or {}
+    inner = extra.get("connectors") if isinstance(extra, dict) else None
+    return any(
+        isinstance(c, dict)
+        and _names_ours(c.get("kv_connector"), c.get("kv_connector_module_path"))
+        for c in inner or ()
+    )
+
+
+def _names_ours(name, module_path) -> bool:
+    return name == CONNECTOR_NAME or (module_path or "").startswith("semshare_vllm")
 
 
 def _wrap(cls) -> bool:
@@ -86,7 +104,7 @@ def _wrap(cls) -> bool:
     def load_model(self, *args, **kwargs):
         config = getattr(self, "vllm_config", None)
         outermost = getattr(_depth, "n", 0) == 0
-        before = _identity_now(config) if outermost and ours(config) else None
+        before = _identity_now(config) if outermost and ours_anywhere(config) else None
         _depth.n = getattr(_depth, "n", 0) + 1  # a runner's load_model may call its base's
         try:
             result = original(self, *args, **kwargs)
@@ -122,27 +140,29 @@ def _identity_now(config) -> dict | None:
 
 def _record_identity(config, before: dict) -> None:
     try:
+        model_config = config.model_config
         changed = kv_identity.files_changed_since_load(
-            before, config.model_config, getattr(config, "load_config", None)
+            before, model_config, getattr(config, "load_config", None)
         )
-        ref = weakref.ref(config)
+        ref = weakref.ref(model_config)
     except Exception:
         logger.warning("SemShare: cannot identify the model after its load", exc_info=True)
         return
     with _lock:
-        _identities[id(config)] = (ref, IdentityAtLoad(before, changed))
+        _identities[id(model_config)] = (ref, IdentityAtLoad(before, changed))
 
 
 def identity_at_load(vllm_config) -> IdentityAtLoad | None:
     """What this process loaded for ``vllm_config`` (None when the hook did not see the load:
-    another process loaded it, or a runner we do not know). That very config object only:
+    another process loaded it, or a runner we do not know). That very ``ModelConfig`` only:
     another engine's record (a test, a notebook) must never name this one's weights."""
+    model_config = getattr(vllm_config, "model_config", None)
     with _lock:
         for key, (ref, _) in list(_identities.items()):
             if ref() is None:
                 del _identities[key]
-        found = _identities.get(id(vllm_config))
-        return found[1] if found is not None and found[0]() is vllm_config else None
+        found = _identities.get(id(model_config))
+        return found[1] if found is not None and found[0]() is model_config else None
 
 
 def _raw_model(model):

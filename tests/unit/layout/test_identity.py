@@ -150,12 +150,23 @@ def test_the_models_quant_method_files_and_params_change_it(model_dir, name):
     assert len({a, b, fp(m)}) == 3
 
 
-def test_the_draft_model_changes_it(model_dir):
-    """A draft's (EAGLE's) attention layers share the KV cache with the target's."""
+def test_the_draft_model_changes_it(model_dir, tmp_path):
+    """A draft's (EAGLE's) attention layers share the KV cache with the target's: its name,
+    and its weights at the same path."""
     m = mc(model_dir)
     a = fp(m, speculative_config=SimpleNamespace(model="eagle-v1", method="eagle"))
     b = fp(m, speculative_config=SimpleNamespace(model="eagle-v2", method="eagle"))
     assert a != b != fp(m)
+    draft_dir = write_model(tmp_path / "draft")
+
+    def with_draft():
+        draft = SimpleNamespace(model=str(draft_dir), revision=None)
+        spec = SimpleNamespace(model=str(draft_dir), method="draft_model", draft_model_config=draft)
+        return fp(m, speculative_config=spec)
+
+    before = with_draft()
+    (draft_dir / "model.safetensors").write_bytes(b"\x07" * 64)
+    assert with_draft() != before
 
 
 def test_multimodal_processing_settings_change_it_and_cache_sizes_do_not(model_dir):
@@ -211,6 +222,21 @@ def test_a_length_fitted_to_memory_after_the_load_keeps_the_fingerprint(model_di
     scheduler = kv_geometry(scheduler_config, kv_cache_config())
     assert worker.local_only is None and worker.fingerprint == scheduler.fingerprint
     assert fp(mc(model_dir, max_model_len=256)) != scheduler.fingerprint  # another length asked
+
+
+def test_a_length_lowered_before_the_load_is_keyed_as_lowered(tmp_path, runner_class):
+    """vLLM 0.33 lowers ``max_model_len`` to a draft's (``_limit_max_model_len_to_draft``: V2
+    runner, method draft_model) after ModelConfig noted the length asked for; LongRoPE picks its
+    factors by the lowered one (the second review: one fingerprint for both)."""
+    model = write_model(tmp_path / "m", max_position_embeddings=8192)
+    asked = engine_config(mc(model, max_model_len=4096))
+    lowered = engine_config(mc(model, max_model_len=4096))
+    lowered.model_config.max_model_len = 1024
+    for config in (asked, lowered):
+        runner_class(config).load_model()
+    a, b = (kv_geometry(c, kv_cache_config()) for c in (asked, lowered))
+    assert a.local_only is None and b.local_only is None
+    assert a.fingerprint != b.fingerprint
 
 
 def test_a_model_that_cannot_be_identified_starts_and_keeps_its_donors(model_dir, monkeypatch):
@@ -327,6 +353,42 @@ def test_a_config_changed_by_the_models_load_keeps_the_fingerprint_of_before(
     runner.during = lambda: setattr(config.model_config.hf_config, "total_num_heads", 4)
     runner.load_model()
     assert kv_geometry(config, kv_cache_config()).fingerprint == unchanged
+
+
+def test_inside_a_multiconnector_the_identity_is_still_the_one_loaded(tmp_path, runner_class):
+    """vLLM's ``MultiConnector`` lists ours among its connectors and builds each on a shallow
+    copy of the engine's config (the second review: no identity was taken, and the copy found
+    none, so a checkpoint swapped after the load lent its name to the engine's donors)."""
+    import copy
+
+    latest, swap = swappable_checkpoints(tmp_path)
+    config = engine_config(mc(latest))
+    config.kv_transfer_config = SimpleNamespace(
+        kv_connector="MultiConnector",
+        kv_connector_module_path=None,
+        kv_connector_extra_config={
+            "connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "SemShareConnector"}]
+        },
+    )
+    runner_class(config).load_model()
+    assert model_hook.loaded_model(config) is None  # (recompute stays off in there)
+    swap()
+    ours = copy.copy(config)  # what MultiConnector hands our connector
+    ours.kv_transfer_config = SimpleNamespace(
+        kv_connector="SemShareConnector", kv_connector_module_path=None
+    )
+    g = kv_geometry(ours, kv_cache_config())
+    assert g.local_only and "after vLLM loaded them" in g.local_only
+
+
+def test_a_bare_word_is_no_file_name_whatever_the_working_directory_holds(
+    model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    m = mc(model_dir, hf_overrides={"attn_mode": "fp8"})
+    before = fp(m)
+    (tmp_path / "fp8").write_text("something")
+    assert fp(m) == before
 
 
 def test_another_engines_record_never_answers_for_this_one(model_dir, tmp_path, runner_class):
