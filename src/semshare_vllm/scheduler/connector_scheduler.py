@@ -461,10 +461,7 @@ class SemShareScheduler:
                 self.geometry.fingerprint,
             )
             return
-        dropped = self.catalog.clear(drop_files=False)
-        self.snapshots = None
-        self.sharing.stop()
-        self.geometry = replace(self.geometry, local_only=why)
+        dropped = self._keep_donors_in_process(why, drop_files=False)
         logger.warning(
             "SemShare: this engine restores and shares no donor (%d restored donors forgotten): %s",
             dropped,
@@ -501,12 +498,8 @@ class SemShareScheduler:
         longer be those its files name."""
         self._reset = True  # first: whatever fails below, the worker drops everything
         self._epoch += 1
-        dropped = self.catalog.clear()
-        self.snapshots = None
-        self.sharing.stop()
-        self.geometry = replace(
-            self.geometry,
-            local_only=f"{why}: the weights may no longer be those the model's files name",
+        dropped = self._keep_donors_in_process(
+            f"{why}: the weights may no longer be those the model's files name", drop_files=True
         )
         self.stats.add("connector_resets")
         logger.warning(
@@ -515,6 +508,16 @@ class SemShareScheduler:
             why,
             dropped,
         )
+
+    def _keep_donors_in_process(self, why: str, drop_files: bool) -> int:
+        """Every donor forgotten (``drop_files``: the worker deletes their files too), and from
+        now on none persisted, restored or shared (``KVGeometry.local_only``, ``why``); how many
+        were forgotten."""
+        dropped = self.catalog.clear(drop_files=drop_files)
+        self.snapshots = None
+        self.sharing.stop()
+        self.geometry = replace(self.geometry, local_only=why)
+        return dropped
 
     def _reset_failed(self) -> None:
         """A fault in the reset: the connector claims and captures nothing any more (each
