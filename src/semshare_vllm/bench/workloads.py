@@ -22,11 +22,13 @@ A group with no donor measures misses (``negative``).
 * a user's JSONL file: ``{"prompt", "group", "role": "donor"|"target", "answer"?,
   "reference"?, "donor_answer"?}`` per line.
 
-Targets carry a ``reference`` where one exists: held-out text the prompt should make likely,
-whose perplexity after the prompt is measured cold and after a hit. Documents: the source text
-that follows the document (kept out of the prompt); doc-qa, rag-qa, entity-swap: the answer;
-multi-turn: the reply the assistant really gave in ShareGPT. rag-reorder has none (its questions
-have no reference answer).
+Targets carry a ``reference`` where one exists: text the prompt should make likely, whose
+perplexity after the prompt is measured cold and after a hit. Documents: the source text that
+follows the document (kept out of the prompt); doc-qa, rag-qa, entity-swap: the answer, then the
+sentence of its passage that states it (``pairs.fact_reference``: read from the prompt, so it
+scores whether the served KV still reads that passage; the answer alone is too few tokens for a
+ratio); multi-turn: the reply the assistant really gave in ShareGPT. rag-reorder has none (its
+questions have no reference answer).
 
 Context length is in tokens of ``tokenizer`` when given, else estimated at 4 characters a token.
 """
@@ -271,7 +273,9 @@ def _doc_qa(groups, tokens, sizer, rng):
         (q0, a0), *rest = questions
         out.append(BenchRequest("doc-qa", group, "donor", P.fact_prompt(doc, q0), a0))
         out += [
-            BenchRequest("doc-qa", group, "target", P.fact_prompt(doc, q), a, reference=" " + a)
+            BenchRequest(
+                "doc-qa", group, "target", P.fact_prompt(doc, q), a, reference=P.fact_reference(q)
+            )
             for q, a in rest
         ]
     return out
@@ -364,7 +368,7 @@ def _rag_qa(groups, tokens, sizer, rng):
                 "target",
                 _rag_question(header, P.passages(reordered), question),
                 answer,
-                reference=" " + answer,
+                reference=P.fact_reference(question),
             )
             for question, answer in questions
         ]
@@ -413,7 +417,7 @@ def _entity_swap(groups, tokens, sizer, rng):
                     "target",
                     P.fact_prompt(target_doc, question),
                     changed[answer],
-                    reference=" " + changed[answer],
+                    reference=P.fact_reference(question, {v: changed[v] for v in swapped}),
                     donor_answer=answer,
                 )
             )

@@ -258,6 +258,57 @@ FACT_VALUE_QUESTIONS = FACT_QUESTIONS + (
 )
 
 
+# The sentence of its passage that states each answer: with the answer before it, the reference
+# text a target's perplexity is scored on (``fact_reference``), long enough (15-40 tokens) for a
+# ratio to mean something, where the answer alone is 1-5 tokens.
+FACT_STATEMENTS = {
+    "Who wrote Candide?": (
+        "Candide, ou l'Optimisme is a French satire written by Voltaire, a philosopher of the "
+        "Age of Enlightenment, first published in 1759."
+    ),
+    "Who wrote Death of a Salesman?": (
+        "Death of a Salesman is a 1949 stage play written by the American playwright Arthur Miller."
+    ),
+    "Who wrote Moby-Dick?": (
+        "Moby-Dick; or, The Whale is an 1851 epic novel by American writer Herman Melville."
+    ),
+    "In what year did Death of a Salesman premiere?": (
+        "The play premiered on Broadway on February 10, 1949, running for 742 performances."
+    ),
+    "In what year was Candide first published?": (
+        "Candide, ou l'Optimisme is a French satire written by Voltaire, a philosopher of the "
+        "Age of Enlightenment, first published in 1759."
+    ),
+    "In what year was Les Demoiselles d'Avignon painted?": (
+        "Les Demoiselles d'Avignon is a large oil painting created in 1907 by the Spanish artist "
+        "Pablo Picasso."
+    ),
+    "In what year did Superman first appear in Action Comics?": (
+        "Superman is a superhero created by writer Jerry Siegel and artist Joe Shuster, first "
+        "appearing in issue #1 of Action Comics, published in the United States on April 18, 1938."
+    ),
+    "In what year was The Structure of Scientific Revolutions published?": (
+        "The Structure of Scientific Revolutions is a 1962 book about the history of science by "
+        "the philosopher Thomas S. Kuhn."
+    ),
+    "How many performances did Death of a Salesman run for on Broadway?": (
+        "The play premiered on Broadway on February 10, 1949, running for 742 performances."
+    ),
+}
+
+
+def fact_reference(question: str, replace: dict[str, str] | None = None) -> str:
+    """The text a fact target's perplexity is scored on: its answer, then the sentence of the
+    passage that states it, with ``replace``'s values changed as the target's passages were
+    (entity swap). The model reads it from the prompt, so a served KV that lost or blurred the
+    passage shows in every token of it."""
+    answer = dict(FACT_VALUE_QUESTIONS)[question]
+    statement = FACT_STATEMENTS[question]
+    for old, new in (replace or {}).items():
+        answer, statement = answer.replace(old, new), statement.replace(old, new)
+    return f" {answer}. {statement}"
+
+
 def fact_passages() -> dict[str, str]:
     """The fact extracts by title."""
     by_title = dict(wiki_extracts())

@@ -47,7 +47,7 @@ def test_rag_qa_reorders_passages_and_asks_what_one_states(sizer, tokens):
         for t in targets:
             question = t.prompt.rsplit("Question: ", 1)[1].split("\n")[0]
             assert (question, t.answer) in P.FACT_VALUE_QUESTIONS
-            assert t.reference == " " + t.answer
+            _assert_states_the_answer(sizer, t)
             # the passage that states the answer is in the target, whole, and in the donor too
             stating = facts[P.fact_title(question)]
             assert t.answer in stating and stating in t.prompt and stating in donor.prompt
@@ -61,6 +61,28 @@ def test_rag_qa_reorders_passages_and_asks_what_one_states(sizer, tokens):
         assert len({_passages(t.prompt.split("\n\n[1] ", 1)[1]) for t in targets}) == 1
     if tokens >= 2048:  # room for several fact passages, hence several questions a group
         assert all(len(targets) == W.MAX_QUESTIONS for _, targets in _by_group(reqs))
+
+
+def _assert_states_the_answer(sizer, target) -> None:
+    """A fact target's reference: its answer, then the sentence of its own prompt that states
+    it (15 tokens at least: the answer alone is too few for a perplexity ratio)."""
+    head = f" {target.answer}. "
+    assert target.reference.startswith(head)
+    statement = target.reference[len(head) :]
+    assert target.answer in statement and statement in target.prompt
+    assert sizer.count(target.reference) >= 15
+
+
+def test_every_fact_question_has_the_sentence_that_states_its_answer():
+    facts = P.fact_passages()
+    assert set(P.FACT_STATEMENTS) == {q for q, _ in P.FACT_VALUE_QUESTIONS}
+    for question, answer in P.FACT_VALUE_QUESTIONS:
+        statement = P.FACT_STATEMENTS[question]
+        assert answer in statement and statement in facts[P.fact_title(question)]
+        assert P.fact_reference(question) == f" {answer}. {statement}"
+    swapped = P.fact_reference("Who wrote Candide?", {"Voltaire": "Brandt", "1759": "1771"})
+    assert swapped.startswith(" Brandt. ") and "1771" in swapped
+    assert "Voltaire" not in swapped and "1759" not in swapped
 
 
 def test_rag_qa_refuses_a_context_too_small_to_reorder(sizer):
@@ -88,7 +110,8 @@ def test_entity_swap_targets_state_a_value_the_donor_does_not(sizer, tokens):
             assert t.answer and t.donor_answer and t.answer != t.donor_answer
             assert t.answer in t.prompt and t.donor_answer not in t.prompt
             assert t.donor_answer in donor.prompt and t.answer not in donor.prompt
-            assert t.reference == " " + t.answer
+            _assert_states_the_answer(sizer, t)  # the new value, as the target's passage has it
+            assert t.donor_answer not in t.reference
             question = t.prompt.rsplit("Question: ", 1)[1].split("\n")[0]
             assert (question, t.donor_answer) in P.FACT_VALUE_QUESTIONS  # it asks what changed
         # the target is the donor's text with values changed (the asked one and maybe others of
