@@ -32,7 +32,7 @@ from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.scheduler.planner import Aligner
 from semshare_vllm.scheduler.semantic_gate import semantic_refusal
 from semshare_vllm.stats import SemSharePromMetrics, SemShareStats
-from semshare_vllm.vllm_compat import connector_registry
+from semshare_vllm.vllm_compat import connector_registry, in_flight_failures
 from semshare_vllm.worker import SemShareWorker
 
 logger = logging.getLogger("vllm.semshare")
@@ -91,6 +91,8 @@ class SemShareConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            # with async scheduling, a failed load's next step is already running over it
+            in_flight_failures.install()
             # No semantic hits for this engine (quantised KV, tensor parallelism): no donor
             # search to run (the scheduler half says why, once).
             stats = StatsRecorder()  # the scheduler half's, which discovery and the feed share

@@ -133,6 +133,10 @@ class EngineCore:
         self._ids = itertools.count()
         self.acks_captures = False  # the worker's part in ``step``: see there
         self._sampled: dict[int, list[list[int]]] = {}  # per scheduled step: the model's tokens
+        # With ``numbered`` set, each step samples its own token (``step_token``), so a test can
+        # tell which step an output token came from; else every step samples SAMPLED.
+        self.numbered = False
+        self.step_token: dict[int, int] = {}  # id(SchedulerOutput) -> the token it samples
         self.in_flight: collections.deque = collections.deque()  # pipelined steps (``pipeline``)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -169,7 +173,9 @@ class EngineCore:
         ids = list(out.num_scheduled_tokens)
         done = [self.scheduler.requests[r].num_computed_tokens for r in ids]
         prompts = [self.scheduler.requests[r].num_prompt_tokens for r in ids]
-        self._sampled[id(out)] = [[SAMPLED] if d >= p else [] for d, p in zip(done, prompts)]
+        token = 1000 + len(self.step_token) if self.numbered else SAMPLED
+        self.step_token[id(out)] = token
+        self._sampled[id(out)] = [[token] if d >= p else [] for d, p in zip(done, prompts)]
         return out
 
     def answer(self, out, kv_output=None):

@@ -114,6 +114,9 @@ COUNTERS: dict[str, str] = {
     "their KV is (prompt embeddings)",
     "failed_blocks_uncached": "blocks of failed loads (and those computed after them) taken out "
     "of vLLM's prefix cache",
+    "failed_loads_preempted": "requests preempted when their load failed while their next step "
+    "was already running over it (async scheduling): that step's output dropped, the prompt "
+    "computed again",
 }
 
 

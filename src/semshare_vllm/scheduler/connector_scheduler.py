@@ -192,6 +192,11 @@ class SemShareScheduler:
             # vLLM's hit holds blocks a load of ours may not have written: ask again next step
             self.stats.add("waits_behind_unconfirmed_loads")
             return None, False
+        if state.load_failed:
+            # Admitted again after its load failed (vLLM preempts a request whose next step
+            # already ran over the failed load, ``in_flight_failures``): vLLM computes it, and
+            # the same claim cannot fail it twice.
+            return 0, False
         if not keyable(request):  # prompt embeddings: their token ids say nothing
             if not state.counted:
                 state.counted = True

@@ -46,8 +46,10 @@ def test_a_failed_load_is_recomputed_and_its_donor_forgotten(prefix_caching):
         assert core.cached_hits(prompt) == len(prompt) // bs * bs
     core.answer(out, worker_failure(core, load))
 
-    # vLLM rewinds to the first failed block and drops the step's token
+    # vLLM rewinds to the first failed block and drops the step's token (nothing in flight:
+    # no preemption)
     assert target.num_computed_tokens == 0 and target.num_output_tokens == 0
+    assert target.num_preemptions == 0 and "failed_loads_preempted" not in core.ours.stats.totals
     assert core.cached_hits(prompt) == 0  # never served to anyone from unwritten blocks
     assert key not in core.ours.index
     out = core.step()
@@ -93,9 +95,12 @@ def test_a_failed_load_behind_vllms_own_hit_recomputes_the_claim_only():
 def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
     """Async scheduling (CUDA's default), as the engine core runs it (two steps in flight): the
     failure comes back with the load's step while the request's next step is already
-    scheduled. (Without that overlap, vLLM 0.33's AsyncScheduler keeps the failed step's output
-    placeholder counted and the request never finishes; the engine core never runs it so.)"""
+    scheduled, decoding over the blocks the load never wrote from the token sampled over them.
+    vLLM rewinds the request but would deliver that step's token (and its runner would take it
+    as the recomputed prompt's last input): the request is preempted instead, that step's
+    output dropped, and every token the client gets comes from the prompt computed again."""
     core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    core.numbered = True  # each step samples its own token
     bs = core.block_size
     donor = core.add(core.request(ids(10 * bs + 5, 16)))
     core.step()
@@ -108,17 +113,74 @@ def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
     ahead = core.pipeline(worker_failure(core, load))  # the next step, then the failed one's
     assert dict(ahead.num_scheduled_tokens) == {target.request_id: 1}
     assert core.cached_hits(prompt) == 0 and key not in core.ours.index
-    scheduled, captures = [], []
+    _assert_recomputed_from_its_prompt(core, target, prompt, ahead)
+
+
+def test_with_two_steps_in_flight_a_load_held_back_is_recomputed():
+    """The same, for a load the scheduler half fails itself, with no fault anywhere: a repaired
+    load behind a prefix another request computes in the same step (``hold_back``)."""
+    core = EngineCore(
+        engine_config(
+            prefix_caching=True,
+            block_size=16,
+            extra={"recompute_policy": "all"},
+            async_scheduling=True,
+        )
+    )
+    core.numbered = True
+    bs = core.block_size
+    donor = core.add(core.request(ids(20 * bs + 5, 18)))
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    tokens = list(donor.prompt_token_ids)
+    core.add(core.request(tokens[: 6 * bs] + ids(40, 19), params={"semshare": "off"}))
+    prompt = tokens[: 18 * bs] + ids(30, 20)
+    target = core.add(core.request(prompt, max_tokens=4))
+    (failed,) = core.pipeline().kv_connector_metadata.failed_loads  # held back
+    assert failed.req_id == target.request_id
+    report = WorkerReport(bs)
+    report.fail_load(failed.req_id, failed.block_ids, failed.start, failed.num_tokens)
+    ahead = core.pipeline(
+        KVConnectorOutput(
+            invalid_block_ids=report.take_invalid_blocks(),
+            kv_connector_worker_meta=report.take_worker_meta(),
+        )
+    )
+    assert ahead.num_scheduled_tokens.get(target.request_id) == 1  # over the unwritten claim
+    _assert_recomputed_from_its_prompt(core, target, prompt, ahead)
+
+
+def _assert_recomputed_from_its_prompt(core, target, prompt, ahead) -> None:
+    """``target``'s failed load came back while ``ahead`` (its next step) ran: it was preempted
+    (the runner told to forget it), ``ahead``'s output dropped, its prompt computed again with
+    no claim of ours, and each token the client got sampled from that recompute on."""
+    from vllm.v1.request import RequestStatus
+
+    rid = target.request_id
+    preempted = target.status == RequestStatus.PREEMPTED and target.num_output_tokens == 0
+    sent = lambda: [t for o in core.outputs if o.request_id == rid for t in o.new_token_ids]  # noqa: E731
+    steps, loads, captures = [], [], []
     for _ in range(30):
         if target.is_finished() and not core.in_flight:
             break
         out = core.pipeline()
         if out is not None:
-            scheduled.append(out.num_scheduled_tokens.get(target.request_id, 0))
+            steps.append(out)
+            loads += [spec for spec in out.kv_connector_metadata.loads if spec.req_id == rid]
             captures += out.kv_connector_metadata.captures
-    assert target.is_finished() and target.num_output_tokens == 4
-    assert max(scheduled) >= len(prompt)  # the whole prompt computed again
-    assert not captures and core.finished[target.request_id][0] is False  # no donor
+    assert core.step_token[id(ahead)] not in sent()  # the step over the failed load: dropped
+    assert preempted and rid in steps[0].preempted_req_ids  # the runner forgets what it held
+    # admitted again: the rest of its prompt (past what vLLM's prefix cache still holds)
+    recompute = next(s for s in steps if rid in s.num_scheduled_tokens)
+    assert recompute.num_scheduled_tokens[rid] > 1
+    first = core.step_token[id(recompute)]
+    tokens = sent()
+    assert len(tokens) == 4 and tokens[0] == first and all(t >= first for t in tokens)
+    assert list(target.output_token_ids) == tokens
+    assert not loads  # vLLM computes it: no claim of ours again
+    assert not captures and core.finished[rid][0] is False  # no donor
+    assert target.num_preemptions == 1
+    assert core.ours.stats.totals["failed_loads_preempted"] == 1
     core.step()
     core.connector.shutdown()
     core.assert_empty()
@@ -197,15 +259,18 @@ def test_with_async_scheduling_no_request_takes_a_load_in_flight_as_its_prefix()
     S's tokens computed over the KV nobody wrote (it counts on R to recompute the shared blocks,
     which holds only when both are in one step): S's first token and its suffix's KV came from
     garbage (the reviewer's trace: S scheduled 20 tokens, then 1, 1, 1, never its prefix). Now
-    S waits until R's load is known written: here it failed, so S computes the prefix."""
+    S waits until R's load is known written: here it failed, R (preempted, its next step was in
+    flight) computes its prompt again, and S takes the prefix no earlier than the step that
+    writes it (vLLM writes each layer's new KV before any request of the step reads it)."""
     core, r, s, load = async_core_with_load(16)
-    bs = core.block_size
     ahead = core.pipeline(worker_failure(core, load))  # step t+1, then step t's failure
     assert s.request_id not in ahead.num_scheduled_tokens  # not behind R's unwritten blocks
     assert core.ours.stats.totals["waits_behind_unconfirmed_loads"] >= 1
     scheduled = run_all(core, r, s)
-    first = next(n for n in scheduled[s.request_id] if n)
-    assert first >= 8 * bs  # S computed the prefix R's load never wrote
+    r_steps, s_steps = scheduled[r.request_id], scheduled[s.request_id]
+    recompute = next(i for i, n in enumerate(r_steps) if n > 1)
+    assert r_steps[recompute] == len(r.prompt_token_ids)  # from 0: the failed blocks left
+    assert next(i for i, n in enumerate(s_steps) if n) >= recompute
     core.connector.shutdown()
     core.assert_empty()
 

@@ -148,8 +148,12 @@ def test_blocks_of_a_load_held_back_leave_vllms_prefix_cache_before_the_next_ste
     next_step = core.schedule()  # before the held step's output
     assert core.block_ids(c.request_id)[6:18] != core.block_ids(b.request_id)[6:18]
     core.answer(held_step, worker_reports(core, failed))
-    assert b.num_computed_tokens == 6 * BS  # vLLM computes the held claim itself
+    # vLLM computes the held claim itself; B's next step, scheduled before, runs over it: B is
+    # preempted, that step's output dropped, and its prompt computed again (in_flight_failures)
+    assert b.request_id in next_step.num_scheduled_tokens
+    assert b.num_computed_tokens == 0 and b.num_preemptions == 1
     core.answer(next_step)
+    assert b.num_output_tokens == 0
     for _ in range(30):
         if b.is_finished() and c.is_finished():
             break
