@@ -275,12 +275,20 @@ class SemShareScheduler:
         state.loaded_blocks, state.marks_logprobs = None, False  # (again after preemption)
         # what serves this admission (a preempted request is admitted again)
         hit = local_cache_hit(request)
-        state.served = Served(vllm_cached_tokens=state.local_hit if hit is None else hit)
+        earlier, state.served = (
+            state.served,
+            Served(vllm_cached_tokens=state.local_hit if hit is None else hit),
+        )
         scoring = state.scoring is not None
         if scoring:
             prefix_cache_flags.restore_cache_skip(request)
         offer = state.offer
         if num_external_tokens == 0 or offer is None:
+            if state.approximate and earlier.kind == "semantic":
+                # Admitted again with no load: its answer so far came from the donor's KV,
+                # and vLLM's cache may serve its own approximate blocks back (salted).
+                earlier.vllm_cached_tokens = state.served.vllm_cached_tokens
+                state.served = earlier
             state.scoring = None
             return
         block_ids = list(blocks.get_block_ids()[0])

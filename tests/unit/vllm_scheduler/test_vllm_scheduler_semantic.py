@@ -62,3 +62,35 @@ def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
     assert not core.connector.has_pending_block_frees()
     core.connector.shutdown()
     core.assert_empty()
+
+
+def test_a_semantic_hit_preempted_and_resumed_still_says_a_donor_served_it(prompts):
+    """Preempted after its prefill (vLLM frees its blocks; they keep their salted hashes) and
+    admitted again, the request gets its own approximate blocks back from vLLM's prefix cache:
+    its answer still comes from the donor's KV, and its provenance must say so (it said
+    "none", as if vLLM's exact cache had served it)."""
+    import time
+
+    extra = {"embedder": "onnx", "lookup_deadline_ms": 60_000}
+    core = EngineCore(engine_config(prefix_caching=True, extra=extra))
+    donor_ids, target_ids = prompts
+    donor = core.add(core.request(donor_ids))
+    ready = SemShareWorkerMetadata(capacity_bytes=1 << 30, recompute_ready=True)
+    core.step(KVConnectorOutput(kv_connector_worker_meta=ready))
+    key = core.capture(donor).key
+    assert core.ours.discovery.wait_idle()
+
+    target = core.add(core.request(target_ids, max_tokens=6))
+    out = core.step_until(lambda out: target.request_id in out.num_scheduled_tokens)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.key == key and load.donor_pos is not None  # a semantic load
+    core.step()  # a decode step
+    core.scheduler.running.remove(target)  # as vLLM preempts under memory pressure
+    core.scheduler._preempt_request(target, time.monotonic())
+    core.run_to_end(target)
+    figures = core.finished[target.request_id][1]["semshare_provenance"]
+    assert figures["preemptions"] == 1
+    assert figures["served"] == "semantic" and figures["donor"] is not None
+    assert figures["semantic_tokens"] == load.num_tokens
+    core.connector.shutdown()
+    core.assert_empty()
