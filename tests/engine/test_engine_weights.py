@@ -53,12 +53,23 @@ def model_and_prompts(tmp_path):
     return model, a, b, ids("x " * 40)
 
 
-def test_donors_persisted_under_other_weights_are_not_restored(tmp_path):
+# The isolating configuration (``offline.make_llm``: vLLM's prefix cache off, small blocks), and
+# the one users run (vLLM's defaults: prefix caching on, the CPU build's 128-token blocks).
+AS_USERS_RUN = {"enable_prefix_caching": True, "block_size": None}
+
+
+@pytest.mark.parametrize("engine_args", [{}, AS_USERS_RUN], ids=["isolating", "as-users-run"])
+def test_donors_persisted_under_other_weights_are_not_restored(tmp_path, engine_args):
     model, a, b, filler = model_and_prompts(tmp_path)
     persist = tmp_path / "donors"
 
+    def lifetime(*args, **job):
+        return run_lifetime(*args, MAX_TOKENS, engine_args=engine_args, **job)
+
     first = lifetime(model, persist, tmp_path, prompt=a, capture=True, filler=filler)
     assert first["restored"] == 0 and first["worker"]["captured_donors"] >= 1
+    ran_as = (first["prefix_caching"], first["block_size"])
+    assert ran_as == ((True, 128) if engine_args else (False, offline.BLOCK_SIZE))
     same = lifetime(model, persist, tmp_path, prompt=b)  # control: same weights, restart
     assert same["restored"] >= 1 and same["scheduler"]["hit_tokens"] > 0
     assert same["fingerprint"] == first["fingerprint"]

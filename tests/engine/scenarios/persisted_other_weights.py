@@ -72,6 +72,8 @@ print(
             "fingerprint": sched.geometry.fingerprint,
             "local_only": [sched.geometry.local_only, worker.geometry.local_only],
             "workers_confirmed": sched.workers_confirmed,
+            "block_size": sched.geometry.block_size,
+            "prefix_caching": bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
             "scheduler": scheduler,
             "worker": dict(worker.stats.totals),
         }
