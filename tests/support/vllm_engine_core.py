@@ -137,6 +137,7 @@ class EngineCore:
         # tell which step an output token came from; else every step samples SAMPLED.
         self.numbered = False
         self.step_token: dict[int, int] = {}  # id(SchedulerOutput) -> the token it samples
+        self._step_numbers = itertools.count()
         self.in_flight: collections.deque = collections.deque()  # pipelined steps (``pipeline``)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class EngineCore:
         ids = list(out.num_scheduled_tokens)
         done = [self.scheduler.requests[r].num_computed_tokens for r in ids]
         prompts = [self.scheduler.requests[r].num_prompt_tokens for r in ids]
-        token = 1000 + len(self.step_token) if self.numbered else SAMPLED
+        token = 1000 + next(self._step_numbers) if self.numbered else SAMPLED
         self.step_token[id(out)] = token
         self._sampled[id(out)] = [[token] if d >= p else [] for d, p in zip(done, prompts)]
         return out

@@ -13,15 +13,17 @@ answer with no error.
 vLLM's own preemption with ``drop_stale_output`` (what its prefix-cache reset does to running
 requests) covers every part of that: it drops the output of each step in flight for the
 request, clears its output placeholders, frees its blocks once those steps end, and has the
-runner forget the request (``preempted_req_ids``), which is then computed again from its prompt
+runner forget the request (the V1 runner drops a resumed request from its batch, the V2 one
+each of ``preempted_req_ids``), which is then computed again from its prompt
 (vLLM's prefix cache serves what stays valid; the failed blocks left it). ``install`` wraps
 ``Scheduler._handle_invalid_blocks``, which ``update_from_output`` calls before its loop over the
 step's requests, to preempt so each running request it rewound that has a later step in flight.
 Engines whose connector is not ours, and vLLM's "fail" policy (the request ends with an error),
 are left as they are; with one step in flight nothing changes.
 
-Touches ``Scheduler._handle_invalid_blocks``, ``Scheduler._preempt_request``, ``.running`` and
-``.requests``, and ``Request.num_in_flight_tokens``: the same in vLLM 0.32 and 0.33.
+Touches ``Scheduler._handle_invalid_blocks``, ``Scheduler._preempt_request``, ``.running``,
+``.requests`` and ``.prev_step_scheduled_req_ids``, and ``Request.num_in_flight_tokens``: the
+same in vLLM 0.32 and 0.33.
 """
 
 from __future__ import annotations
@@ -76,17 +78,24 @@ def preempt_in_flight(scheduler, rewound: set[str], num_scheduled_tokens: dict[s
     output's; how many."""
     from vllm.v1.request import RequestStatus
 
-    preempted = 0
-    for req_id in sorted(rewound):
-        request = scheduler.requests.get(req_id)
-        if request is None or request.status != RequestStatus.RUNNING:
-            continue
-        # this output's step is still counted in flight: anything beyond it runs later steps
-        if request.num_in_flight_tokens <= num_scheduled_tokens.get(req_id, 0):
-            continue
+    # (this output's step is still counted in flight: anything beyond it runs later steps)
+    chosen = [
+        r
+        for r in scheduler.running
+        if r.request_id in rewound
+        and r.status == RequestStatus.RUNNING
+        and r.num_in_flight_tokens > num_scheduled_tokens.get(r.request_id, 0)
+    ]
+    # last first, as vLLM's reset does: each goes to the front of the queue, so they keep
+    # their order there
+    for request in reversed(chosen):
         scheduler._preempt_request(request, time.monotonic(), drop_stale_output=True)
         scheduler.running.remove(request)  # (after: a preemption that raised leaves it running)
-        preempted += 1
+        # Resumed as soon as the next step: it must not count as scheduled in the last one
+        # (vLLM's reset clears the same set), else the V1 runner, which drops a resumed
+        # request from its batch, gets none of its tokens back.
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+    preempted = len(chosen)
     if preempted:
         logger.info(
             "SemShare: %d request(s) preempted after a failed load: their next step was "

@@ -150,6 +150,90 @@ def test_with_two_steps_in_flight_a_load_held_back_is_recomputed():
     _assert_recomputed_from_its_prompt(core, target, prompt, ahead)
 
 
+def test_with_two_steps_in_flight_a_resumed_request_gives_the_v1_runner_its_tokens():
+    """A request with output tokens (preempted for memory, admitted again and claimed for
+    again) whose load fails while its next step runs: preempted again, it is resumed by the
+    very next schedule. vLLM's V1 runner (CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``, or a
+    feature V2 lacks) drops a resumed request from its batch and, under async scheduling, reads
+    its tokens from ``all_token_ids``, which vLLM fills only for requests not scheduled in the
+    step before: it raised KeyError and the engine died (the reviewer's trace)."""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    core.scheduler.use_v2_model_runner = False  # the scheduler output the V1 runner gets
+    bs = core.block_size
+    donor = core.add(core.request(ids(10 * bs + 5, 26)))
+    core.step()
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 27)
+    target = core.add(core.request(prompt, max_tokens=8))
+    rid = target.request_id
+    while target.num_output_tokens < 2:
+        core.pipeline()
+    core.drain()
+    s = core.scheduler
+    s.running.remove(target)  # as vLLM preempts under memory pressure
+    s._preempt_request(target, 0.0)
+    s.reset_prefix_cache()  # its blocks leave vLLM's cache: its resume is ours to claim
+    out = core.pipeline()
+    (load,) = [spec for spec in out.kv_connector_metadata.loads if spec.req_id == rid]
+    ahead = core.pipeline(worker_failure(core, load))
+    assert rid in ahead.num_scheduled_tokens and target.num_preemptions == 2
+    for _ in range(5):
+        out = core.pipeline()
+        if out is not None and rid in out.scheduled_cached_reqs.resumed_req_ids:
+            break
+    data = out.scheduled_cached_reqs
+    assert data.num_output_tokens[data.req_ids.index(rid)] > 0
+    assert rid in data.all_token_ids  # what the V1 runner reads for it
+    for _ in range(30):
+        if target.is_finished() and not core.in_flight:
+            break
+        core.pipeline()
+    assert target.is_finished() and target.num_output_tokens == 8
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_requests_preempted_after_failed_loads_keep_their_order_in_the_queue():
+    """Two requests whose loads fail in one output, each with its next step in flight: both
+    go back to the front of the waiting queue in the order they ran (as vLLM's reset leaves
+    them), not reversed."""
+    core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
+    bs = core.block_size
+    donors = []
+    for seed in (28, 29):
+        donors.append(core.add(core.request(ids(10 * bs + 5, seed))))
+        core.step()
+        core.capture(donors[-1])
+    core.scheduler.reset_prefix_cache()
+    first, second = (
+        core.add(core.request(list(d.prompt_token_ids[: 8 * bs]) + ids(20, 30 + i)))
+        for i, d in enumerate(donors)
+    )
+    loads = core.pipeline().kv_connector_metadata.loads
+    assert {spec.req_id for spec in loads} == {first.request_id, second.request_id}
+    report = WorkerReport(bs)
+    for spec in loads:
+        report.fail_load(spec.req_id, spec.block_ids, spec.dst_start, spec.num_tokens)
+    core.pipeline(
+        KVConnectorOutput(
+            invalid_block_ids=report.take_invalid_blocks(),
+            kv_connector_worker_meta=report.take_worker_meta(),
+        )
+    )
+    assert first.num_preemptions == second.num_preemptions == 1
+    waiting = [r.request_id for r in core.scheduler.waiting]
+    assert waiting[:2] == [first.request_id, second.request_id]
+    for _ in range(30):
+        if first.is_finished() and second.is_finished() and not core.in_flight:
+            break
+        core.pipeline()
+    core.step()
+    core.connector.shutdown()
+    core.assert_empty()
+
+
 def _assert_recomputed_from_its_prompt(core, target, prompt, ahead) -> None:
     """``target``'s failed load came back while ``ahead`` (its next step) ran: it was preempted
     (the runner told to forget it), ``ahead``'s output dropped, its prompt computed again with
