@@ -14,16 +14,19 @@ vLLM's own preemption with ``drop_stale_output`` (what its prefix-cache reset do
 requests) covers every part of that: it drops the output of each step in flight for the
 request, clears its output placeholders, frees its blocks once those steps end, and has the
 runner forget the request (the V1 runner drops a resumed request from its batch, the V2 one
-each of ``preempted_req_ids``), which is then computed again from its prompt
-(vLLM's prefix cache serves what stays valid; the failed blocks left it). ``install`` wraps
+each of ``preempted_req_ids``), which is then computed again from its prompt (vLLM's prefix
+cache serves what stays valid). Its blocks from the first failed one on leave that cache first,
+including those the step in flight fills (a next prefill chunk computed over the failed load,
+cached under its true hashes when allocated). ``install`` wraps
 ``Scheduler._handle_invalid_blocks``, which ``update_from_output`` calls before its loop over the
 step's requests, to preempt so each running request it rewound that has a later step in flight.
 Engines whose connector is not ours, and vLLM's "fail" policy (the request ends with an error),
 are left as they are; with one step in flight nothing changes.
 
 Touches ``Scheduler._handle_invalid_blocks``, ``Scheduler._preempt_request``, ``.running``,
-``.requests`` and ``.prev_step_scheduled_req_ids``, and ``Request.num_in_flight_tokens``: the
-same in vLLM 0.32 and 0.33.
+``.requests``, ``.prev_step_scheduled_req_ids``, ``.block_size`` and ``.kv_cache_manager``
+(``get_block_ids``, ``evict_blocks``), and ``Request.num_in_flight_tokens``: the same in vLLM
+0.32 and 0.33.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import functools
 import logging
 import time
 
-from semshare_vllm.vllm_compat import model_hook
+from semshare_vllm.vllm_compat import block_hashes, model_hook
 
 logger = logging.getLogger("vllm.semshare.scheduler")
 
@@ -89,6 +92,13 @@ def preempt_in_flight(scheduler, rewound: set[str], num_scheduled_tokens: dict[s
     # last first, as vLLM's reset does: each goes to the front of the queue, so they keep
     # their order there
     for request in reversed(chosen):
+        # Its blocks from the first failed one on leave vLLM's prefix cache, the ones the step
+        # in flight fills too (a next prefill chunk's, cached under their true hashes when
+        # allocated, computed over the failed load): the scheduler half's watch knows only
+        # the blocks of the load's step, and these are freed below with their hashes.
+        blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        first = request.num_computed_tokens // scheduler.block_size  # (vLLM's rewind)
+        block_hashes.evict_cached(scheduler.kv_cache_manager, list(blocks[first:]))
         scheduler._preempt_request(request, time.monotonic(), drop_stale_output=True)
         scheduler.running.remove(request)  # (after: a preemption that raised leaves it running)
         # Resumed as soon as the next step: it must not count as scheduled in the last one

@@ -195,6 +195,54 @@ def test_with_two_steps_in_flight_a_resumed_request_gives_the_v1_runner_its_toke
     core.assert_empty()
 
 
+def test_with_two_steps_in_flight_the_next_chunk_over_a_failed_load_leaves_vllms_cache():
+    """Chunked prefill: step t loads 8 blocks and computes a first chunk; step t+1, scheduled
+    before t's output, computes the next chunk over the load's blocks, and vLLM cached those
+    blocks under their true hashes when it allocated them. The load fails: the request is
+    recomputed, but those stale blocks stayed cached (vLLM keeps the first block of a hash),
+    and a later request with the same prompt took them as its exact hit (the reviewer's
+    trace: blocks [22, 23, 24])."""
+    bs = 16
+    core = EngineCore(
+        engine_config(
+            prefix_caching=True, block_size=bs, max_batched_tokens=3 * bs, async_scheduling=True
+        )
+    )
+    donor = core.add(core.request(ids(10 * bs + 5, 40)))
+    core.capture(donor)
+    core.scheduler.reset_prefix_cache()
+    prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(6 * bs + 5, 41)
+    target = core.add(core.request(prompt, max_tokens=2))
+    rid = target.request_id
+    out = core.pipeline()  # step t: the load (8 blocks) and a 3-block chunk
+    (load,) = out.kv_connector_metadata.loads
+    assert out.num_scheduled_tokens[rid] == 3 * bs
+    held_at_load = core.block_ids(rid)
+    ahead = core.pipeline(worker_failure(core, load))  # step t+1, then step t's failure
+    assert ahead.num_scheduled_tokens.get(rid) == 3 * bs  # the next chunk, over the failure
+    assert target.num_preemptions == 1
+    # the blocks step t+1 fills: allocated in it, cached at once, computed over the failure
+    data = ahead.scheduled_cached_reqs
+    (chunk,) = data.new_block_ids[data.req_ids.index(rid)]
+    assert len(chunk) == 3 and not set(chunk) & set(held_at_load)
+    pool = core.scheduler.kv_cache_manager.block_pool.blocks
+    assert [b for b in chunk if pool[b].block_hash is not None] == []  # out of vLLM's cache
+    final = []  # the blocks it holds as it is computed again
+    for _ in range(40):
+        if target.is_finished() and not core.in_flight:
+            break
+        core.pipeline()
+        final = core.block_ids(rid) if rid in core.scheduler.requests else final
+    core.drain()
+    assert target.is_finished()
+    # a later request with the same prompt: served what the recompute wrote, whole
+    probe = core.request(prompt, req_id="probe")
+    blocks, hit, _ = core.scheduler.kv_cache_manager.get_computed_blocks(probe)
+    assert hit == 14 * bs and [b.block_id for b in blocks.blocks[0]] == final[:14]
+    core.step()
+    core.connector.shutdown()
+
+
 def test_requests_preempted_after_failed_loads_keep_their_order_in_the_queue():
     """Two requests whose loads fail in one output, each with its next step in flight: both
     go back to the front of the waiting queue in the order they ran (as vLLM's reset leaves
