@@ -13,6 +13,15 @@ from vllm.v1.outputs import KVConnectorOutput
 from semshare_vllm.worker.reports import WorkerReport
 
 
+def donor_only_we_hold(core, blocks: int, seed: int):
+    """A donor of ``blocks`` full blocks and 5 tokens, run to its end and captured, then vLLM's
+    prefix cache reset: only the connector holds its KV. (The donor request, its key.)"""
+    donor = core.add(core.request(ids(blocks * core.block_size + 5, seed)))
+    key = core.capture(donor).key
+    core.scheduler.reset_prefix_cache()
+    return donor, key
+
+
 def worker_failure(core, load) -> KVConnectorOutput:
     """What our worker sends when a load's donor cannot be read (``worker/loads.py``): every
     block of the loaded range failed, the donor bad."""
@@ -32,10 +41,7 @@ def test_a_failed_load_is_recomputed_and_its_donor_forgotten(prefix_caching):
     core = EngineCore(config)
     assert core.scheduler.recompute_kv_load_failures  # the connector set "recompute"
     bs = core.block_size
-    donor = core.add(core.request(ids(10 * bs + 5, 11)))
-    core.step()
-    key = core.capture(donor).key
-    core.scheduler.reset_prefix_cache()
+    donor, key = donor_only_we_hold(core, 10, 11)
 
     prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 12)
     target = core.add(core.request(prompt))
@@ -70,10 +76,7 @@ def test_a_failed_load_is_recomputed_and_its_donor_forgotten(prefix_caching):
 def test_a_failed_load_behind_vllms_own_hit_recomputes_the_claim_only():
     core = EngineCore(engine_config(prefix_caching=True))
     bs = core.block_size
-    donor = core.add(core.request(ids(12 * bs + 5, 13)))
-    core.step()
-    core.capture(donor)
-    core.scheduler.reset_prefix_cache()
+    donor, _ = donor_only_we_hold(core, 12, 13)
     head = list(donor.prompt_token_ids[: 4 * bs]) + ids(10, 14)
     core.run_to_end(core.add(core.request(head, params={"semshare": "off"})))
 
@@ -102,10 +105,7 @@ def test_with_two_steps_in_flight_a_failed_load_is_recomputed():
     core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
     core.numbered = True  # each step samples its own token
     bs = core.block_size
-    donor = core.add(core.request(ids(10 * bs + 5, 16)))
-    core.step()
-    key = core.capture(donor).key
-    core.scheduler.reset_prefix_cache()
+    donor, key = donor_only_we_hold(core, 10, 16)
 
     prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 17)
     target = core.add(core.request(prompt, max_tokens=4))
@@ -129,9 +129,7 @@ def test_with_two_steps_in_flight_a_load_held_back_is_recomputed():
     )
     core.numbered = True
     bs = core.block_size
-    donor = core.add(core.request(ids(20 * bs + 5, 18)))
-    core.capture(donor)
-    core.scheduler.reset_prefix_cache()
+    donor, _ = donor_only_we_hold(core, 20, 18)
     tokens = list(donor.prompt_token_ids)
     core.add(core.request(tokens[: 6 * bs] + ids(40, 19), params={"semshare": "off"}))
     prompt = tokens[: 18 * bs] + ids(30, 20)
@@ -160,10 +158,7 @@ def test_with_two_steps_in_flight_a_resumed_request_gives_the_v1_runner_its_toke
     core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
     core.scheduler.use_v2_model_runner = False  # the scheduler output the V1 runner gets
     bs = core.block_size
-    donor = core.add(core.request(ids(10 * bs + 5, 26)))
-    core.step()
-    core.capture(donor)
-    core.scheduler.reset_prefix_cache()
+    donor, _ = donor_only_we_hold(core, 10, 26)
     prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(20, 27)
     target = core.add(core.request(prompt, max_tokens=8))
     rid = target.request_id
@@ -208,9 +203,7 @@ def test_with_two_steps_in_flight_the_next_chunk_over_a_failed_load_leaves_vllms
             prefix_caching=True, block_size=bs, max_batched_tokens=3 * bs, async_scheduling=True
         )
     )
-    donor = core.add(core.request(ids(10 * bs + 5, 40)))
-    core.capture(donor)
-    core.scheduler.reset_prefix_cache()
+    donor, _ = donor_only_we_hold(core, 10, 40)
     prompt = list(donor.prompt_token_ids[: 8 * bs]) + ids(6 * bs + 5, 41)
     target = core.add(core.request(prompt, max_tokens=2))
     rid = target.request_id
@@ -249,12 +242,7 @@ def test_requests_preempted_after_failed_loads_keep_their_order_in_the_queue():
     them), not reversed."""
     core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
     bs = core.block_size
-    donors = []
-    for seed in (28, 29):
-        donors.append(core.add(core.request(ids(10 * bs + 5, seed))))
-        core.step()
-        core.capture(donors[-1])
-    core.scheduler.reset_prefix_cache()
+    donors = [donor_only_we_hold(core, 10, seed)[0] for seed in (28, 29)]
     first, second = (
         core.add(core.request(list(d.prompt_token_ids[: 8 * bs]) + ids(20, 30 + i)))
         for i, d in enumerate(donors)
@@ -355,10 +343,7 @@ def async_core_with_load(salt: int):
     claiming 8 of its blocks, its step in flight; then S with the same 8-block prefix."""
     core = EngineCore(engine_config(prefix_caching=True, async_scheduling=True))
     bs = core.block_size
-    donor = core.add(core.request(ids(10 * bs + 5, salt)))
-    core.step()
-    core.capture(donor)
-    core.scheduler.reset_prefix_cache()
+    donor, _ = donor_only_we_hold(core, 10, salt)
     prefix = list(donor.prompt_token_ids[: 8 * bs])
     r = core.add(core.request(prefix + ids(20, salt + 1), max_tokens=4))
     (load,) = core.pipeline().kv_connector_metadata.loads  # step t: R's load, in flight
