@@ -21,22 +21,28 @@ def prompts():
     return donor, target
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "off"])
-def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
-    prompts, prefix_caching
-):
+def core_with_embedded_donor(donor_ids, prefix_caching: bool):
+    """vLLM's scheduler with our connector, discovery and aligner on, and the donor of
+    ``donor_ids`` captured and embedded; (the engine core, the donor's key)."""
     # a deadline no busy CI machine reaches: the flow is under test here, not the deadline
     extra = {"embedder": "onnx", "lookup_deadline_ms": 60_000}
     core = EngineCore(engine_config(prefix_caching=prefix_caching, extra=extra))
     assert core.ours.search is not None  # discovery and the aligner are on
-    donor_ids, target_ids = prompts
     donor = core.add(core.request(donor_ids))
     # the worker, once its caches are registered: its pool, and that it can repair
     ready = SemShareWorkerMetadata(capacity_bytes=1 << 30, recompute_ready=True)
     core.step(KVConnectorOutput(kv_connector_worker_meta=ready))
     key = core.capture(donor).key
     assert core.ours.discovery.wait_idle()  # the donor embedded on the discovery thread
+    return core, key
 
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "off"])
+def test_a_reworded_prompt_is_served_from_its_donor_through_vllms_scheduler(
+    prompts, prefix_caching
+):
+    core, key = core_with_embedded_donor(prompts[0], prefix_caching)
+    target_ids = prompts[1]
     target = core.add(core.request(target_ids))  # its search starts on arrival
     out = core.step_until(lambda out: target.request_id in out.num_scheduled_tokens)
     (new,) = out.scheduled_new_reqs
@@ -71,16 +77,8 @@ def test_a_semantic_hit_preempted_and_resumed_still_says_a_donor_served_it(promp
     "none", as if vLLM's exact cache had served it)."""
     import time
 
-    extra = {"embedder": "onnx", "lookup_deadline_ms": 60_000}
-    core = EngineCore(engine_config(prefix_caching=True, extra=extra))
-    donor_ids, target_ids = prompts
-    donor = core.add(core.request(donor_ids))
-    ready = SemShareWorkerMetadata(capacity_bytes=1 << 30, recompute_ready=True)
-    core.step(KVConnectorOutput(kv_connector_worker_meta=ready))
-    key = core.capture(donor).key
-    assert core.ours.discovery.wait_idle()
-
-    target = core.add(core.request(target_ids, max_tokens=6))
+    core, key = core_with_embedded_donor(prompts[0], prefix_caching=True)
+    target = core.add(core.request(prompts[1], max_tokens=6))
     out = core.step_until(lambda out: target.request_id in out.num_scheduled_tokens)
     (load,) = out.kv_connector_metadata.loads
     assert load.key == key and load.donor_pos is not None  # a semantic load
