@@ -58,8 +58,9 @@ vllm serve MODEL --kv-transfer-config '{{"kv_connector":"SemShareConnector",
   the key and what is allowed: never later, in a request.
 - Secret keys (`shared_index_secret`) are never shown: not in logs, not in the connector's
   description of its configuration. Give them through the environment (vLLM logs its arguments).
-- Also honoured: `SEMSHARE_CACHE_DIR` (where derived files are cached: the embedder's ONNX
-  export, the test bed's converted models; default `~/.cache/semshare-vllm`).
+- Also honoured: `SEMSHARE_CACHE_DIR` (where derived files are cached: the weight and adapter
+  files' content digests, the embedder's ONNX export, the test bed's converted models; default
+  `~/.cache/semshare-vllm`).
 - The connector sets vLLM's `kv_load_failure_policy` to `"recompute"`: a donor that cannot be
   loaded costs a recompute of its tokens, never the request.
 """

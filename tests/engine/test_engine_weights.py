@@ -2,6 +2,7 @@
 same path (same file names, same sizes) restores none of the old donors, and the answer is the
 new weights' cold answer. Each engine lifetime runs in its own process (``scenarios/``)."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,13 +21,15 @@ def lifetime(model, persist_dir, tmp_path, **job):
     return run_lifetime(model, persist_dir, tmp_path, MAX_TOKENS, **job)
 
 
-def rewrite_weights(model_dir: Path) -> None:
-    """Other random weights, saved over the old file: same names, shapes and size."""
+def rewrite_weights(model_dir: Path, keep_mtime: bool = False) -> None:
+    """Other random weights, saved over the old file: same names, shapes and size.
+    ``keep_mtime``: and the old mtime (a copy that normalises timestamps)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
-    size = path.stat().st_size
+    old = path.stat()
+    size = old.st_size
     tensors = load_file(str(path))
     g = torch.Generator().manual_seed(1)
     for name, t in tensors.items():
@@ -34,6 +37,8 @@ def rewrite_weights(model_dir: Path) -> None:
             tensors[name] = (torch.randn(t.shape, generator=g) * 0.08).to(t.dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
     assert path.stat().st_size == size
+    if keep_mtime:
+        os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
 
 
 def model_and_prompts(tmp_path):
@@ -58,8 +63,14 @@ def model_and_prompts(tmp_path):
 AS_USERS_RUN = {"enable_prefix_caching": True, "block_size": None}
 
 
-@pytest.mark.parametrize("engine_args", [{}, AS_USERS_RUN], ids=["isolating", "as-users-run"])
-def test_donors_persisted_under_other_weights_are_not_restored(tmp_path, engine_args):
+@pytest.mark.parametrize(
+    "engine_args, keep_mtime",
+    [({}, False), (AS_USERS_RUN, False), (AS_USERS_RUN, True)],
+    ids=["isolating", "as-users-run", "as-users-run-same-mtime"],
+)
+def test_donors_persisted_under_other_weights_are_not_restored(tmp_path, engine_args, keep_mtime):
+    """Also when the new checkpoint keeps the old one's mtime: before, the weights were known by
+    name, size and mtime, and that restart restored the old donors and served them."""
     model, a, b, filler = model_and_prompts(tmp_path)
     persist = tmp_path / "donors"
 
@@ -76,7 +87,7 @@ def test_donors_persisted_under_other_weights_are_not_restored(tmp_path, engine_
     # the worker's fingerprint (of the identity taken as it loaded) is the scheduler's
     assert same["workers_confirmed"] == 1 and same["local_only"] == [None, None]
 
-    rewrite_weights(model)
+    rewrite_weights(model, keep_mtime)
     other = lifetime(model, persist, tmp_path, prompt=b)
     assert other["fingerprint"] != first["fingerprint"]
     assert other["restored"] == 0 and other["scheduler"].get("hit_tokens", 0) == 0

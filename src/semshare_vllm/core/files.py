@@ -1,15 +1,32 @@
-"""What a model's or an adapter's files are, without reading them: names, sizes and mtimes of
-local files, or the commit of a cached hub snapshot. Rewritten files change it; no byte of
-weights is read, so it is cheap enough to ask per request."""
+"""What a model's or an adapter's files are: each one's name, size and content digest
+(``core/file_digest.py``: read once per version of the file), or the commit of a cached hub
+snapshot. Equal names, sizes and mtimes say nothing of content (copies normalise timestamps), so
+a file vLLM reads is never known by its mtime; files beside it that vLLM does not read are
+(``file_stats``: they change an identity when rewritten, at no cost)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from semshare_vllm.core.file_digest import digest
+
+
+def file_contents(paths) -> list[list]:
+    """``[name, size, digest]`` of each path that can be read (links followed: hub snapshots
+    link to their blobs), in the order given; a path that exists but cannot be read has digest
+    None (the callers treat such files as unknown)."""
+    out = []
+    for p in paths:
+        try:
+            size = Path(p).stat().st_size
+        except OSError:
+            continue
+        out.append([Path(p).name, size, digest(Path(p))])
+    return out
+
 
 def file_stats(paths) -> list[list]:
-    """``[name, size, mtime_ns]`` of each path that can be stat'ed (links followed: hub
-    snapshots link to their blobs), in the order given."""
+    """``[name, size, mtime_ns]`` of each path that can be stat'ed, in the order given."""
     out = []
     for p in paths:
         try:

@@ -25,9 +25,12 @@ import json
 import uuid
 from pathlib import Path
 
-from semshare_vllm.core.files import file_stats, hub_snapshot
+from semshare_vllm.core.file_digest import recently_changed
+from semshare_vllm.core.files import file_contents, file_stats, hub_snapshot
 
 _MARK = "\x00semshare:"
+# An adapter directory's files vLLM reads (``lora/peft_helper.py``, ``lora/lora_model.py``).
+_READ_BY_VLLM = ("adapter_", "new_embeddings")
 # Stands for an adapter whose files cannot be read from here: its donors serve this process only.
 _THIS_PROCESS = uuid.uuid4().hex
 # (lora_int_id, name, path) -> what its files were when this process first saw it; as many
@@ -68,18 +71,34 @@ def adapter_files(lora, path: str) -> object:
 
 
 def _files_now(path: str) -> object:
-    """The names, sizes and mtimes of a local adapter directory's files (PEFT writes them flat),
-    a cached hub snapshot's commit, or, where neither can be read (a resolver's URL), this
+    """A local adapter directory's files (PEFT writes them flat): the names, sizes and content
+    digests of those vLLM reads (``adapter_config.json``, ``adapter_model.*``; each read once per
+    version of it), the stats of the others (a trainer's ``optimizer.pt`` beside them is not
+    read); a cached hub snapshot's commit; or, where neither can be read (a resolver's URL), this
     process: its donors are then never restored by another process nor shared with another
-    instance. No weight byte is read."""
+    instance."""
     local = Path(path) if path else None
     try:
+        read, others = None, []
         if local is not None and local.is_dir():
-            return {"files": file_stats(sorted(p for p in local.iterdir() if p.is_file()))}
-        if local is not None and local.is_file():
-            return {"files": file_stats([local])}
+            names = sorted(p for p in local.iterdir() if p.is_file())
+            read = [p for p in names if p.name.startswith(_READ_BY_VLLM)]
+            others = [p for p in names if p not in read]
+        elif local is not None and local.is_file():
+            read = [local]
+        if read is not None and any(recently_changed(p) for p in read):
+            # (just written, or by another clock: its digest would be read again at every
+            # call, and the next write within the clock's tick would keep its version)
+            return {"process": _THIS_PROCESS}
+        files = None if read is None else {"files": file_contents(read)}
+        if others:
+            files["others"] = file_stats(others)
     except OSError:  # unreadable here (permissions): vLLM's worker may still load it
         return {"process": _THIS_PROCESS}
+    if files is not None:
+        if any(content is None for _, _, content in files["files"]):
+            return {"process": _THIS_PROCESS}
+        return files
     commit = hub_snapshot(path, None, None, "adapter_config.json") if path else None
     return {"hub": commit} if commit else {"process": _THIS_PROCESS}
 

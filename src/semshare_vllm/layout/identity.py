@@ -1,8 +1,9 @@
 """What changes the KV of the same tokens at the same shape, as one JSON value (``kv_identity``)
 that the fingerprint (``layout/geometry.py``) hashes.
 
-- The weights: a local model's weight and code files by name, size and mtime (no weight byte is
-  read), the content of its configuration files (``config.json``, ``params.json``, the quant
+- The weights: a local model's weight and code files by name, size and content digest (each
+  file read once per version of it, ``core/file_digest.py``: equal mtimes say nothing), the
+  content of its configuration files (``config.json``, ``params.json``, the quant
   method's own files such as ``hf_quant_config.json``, the processor's), or a hub snapshot's
   commit; how they are loaded (``load_format`` and the loader's options).
 - The model definition vLLM built: the effective Hugging Face config (after
@@ -12,7 +13,7 @@ that the fingerprint (``layout/geometry.py``) hashes.
 - The engine's multimodal processing and encoder settings, the speculative draft model, the KV
   cache dtype and the vLLM version.
 - Any setting above that names a local file (``quantization_config_file``, a tensorizer file, an
-  fp8 scale file) is keyed by that file's content (or its stats, when large).
+  fp8 scale file) is keyed by that file's content.
 
 Where nothing tells the weights from others (random weights, weights streamed from a URL or
 another process, a hub id with no snapshot in the cache), ``unidentified_weights`` says why.
@@ -25,17 +26,21 @@ fingerprint is of that one (``files_changed_since_load`` says when the files mov
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from semshare_vllm.core.files import file_stats, hub_snapshot
+from semshare_vllm.core.file_digest import digest
+from semshare_vllm.core.files import file_contents, file_stats, hub_snapshot
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 # A local model's own code (``trust_remote_code``) computes its KV as much as its weights do.
 _MODEL_FILE_SUFFIXES = WEIGHT_SUFFIXES + (".py",)
+# A trainer's files vLLM never loads (``filter_files_not_needed_for_inference``).
+_TRAINER_FILES = frozenset(
+    {"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
+)
 # Configuration files read by content: the model's (and Mistral's) config, the quant methods'
 # own files (``get_config_filenames``: hf_quant_config.json, quantize_config.json,
 # quant_config.json), the multimodal processor's. Not the tokenizer's: other token ids are
@@ -43,17 +48,16 @@ _MODEL_FILE_SUFFIXES = WEIGHT_SUFFIXES + (".py",)
 _CONFIG_FILES = frozenset(
     {"config.json", "params.json", "preprocessor_config.json", "processor_config.json"}
 )
-_HASHED_UP_TO = 64 << 20  # a file named by a setting: its content up to this size, else stats
 # vLLM's load formats that read the weights from the files under ``model`` (vLLM 0.32 and 0.33
 # LoadFormats). Any other (``dummy``, ``ipc_cache``, ``modelexpress``, a tensorizer URI, a
-# loader registered by a plugin) takes them from elsewhere.
+# loader registered by a plugin) takes them from elsewhere; so does ``npcache``, which reads a
+# numpy copy it made once (``np/`` under the download directory) even after the files changed.
 _FROM_MODEL_FILES = frozenset(
     {
         "auto",
         "hf",
         "safetensors",
         "pt",
-        "npcache",
         "fastsafetensors",
         "instanttensor",
         "mistral",
@@ -126,19 +130,9 @@ def _stable(obj):
     return _ADDRESS.sub("", repr(obj))
 
 
-def _digest(path: Path) -> str | list | None:
-    """A file's content hash, or its stats when it is large; None if it cannot be read."""
-    try:
-        if path.stat().st_size > _HASHED_UP_TO:
-            return file_stats([path])
-        return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
-    except OSError:
-        return None
-
-
 def _with_files(value):
     """``value`` (a ``_stable`` one) with every string that names a local file replaced by the
-    name and that file's ``_digest``: a setting pointing at a file is keyed by what it holds."""
+    name and that file's content digest: a setting pointing at a file is keyed by what it holds."""
     if isinstance(value, dict):
         return {k: _with_files(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -148,18 +142,24 @@ def _with_files(value):
     if isinstance(value, str) and 0 < len(value) < 4096 and (os.sep in value or "." in value):
         try:
             if os.path.isfile(value):
-                return {"file": value, "content": _digest(Path(value))}
+                return {"file": value, "content": digest(Path(value))}
         except (OSError, ValueError):
             pass
     return value
 
 
 def _local_weights(path: Path) -> dict:
-    """A local model's weight and code files (names, sizes, mtimes) and its configuration
-    files (content): a new checkpoint written at the same path changes it, and no weight byte
-    is read."""
+    """A local model's weight and code files (names, sizes, content digests) and its
+    configuration files (content): another checkpoint at the same path changes it, whatever its
+    files' names, sizes and mtimes. Files vLLM does not load are known by stats
+    (``unread_by_vllm``), not read in full: a trainer's, and ``.bin`` files beside safetensors
+    (every load format we key takes safetensors first, or ``*.pt`` only: vLLM's
+    ``DefaultModelLoader._prepare_weights``). ``.pt`` files are read (a model's own code may
+    load one beside safetensors)."""
+    unread: list[Path] = []
     if path.is_file():  # a single-file checkpoint (GGUF): its config, if any, beside it
-        files, configs = [path], [path.parent / "config.json"]
+        files = [path]
+        configs = [c for c in [path.parent / "config.json"] if c.is_file()]
     else:
         names = sorted(p for p in path.iterdir() if p.is_file())
         files = [p for p in names if p.name.endswith(_MODEL_FILE_SUFFIXES)]
@@ -168,9 +168,16 @@ def _local_weights(path: Path) -> dict:
             for p in names
             if p.name in _CONFIG_FILES or (p.suffix == ".json" and "quant" in p.name)
         ]
+        # (vLLM globs ``*.safetensors``: a hidden one, ``._model.safetensors``, is none)
+        safetensors = any(p.suffix == ".safetensors" and p.name[0] != "." for p in files)
+        unread = [
+            p for p in files if p.name in _TRAINER_FILES or (p.suffix == ".bin" and safetensors)
+        ]
+        files = [p for p in files if p not in unread]
     return {
-        "files": file_stats(files),
-        "configs": {p.name: _digest(p) for p in configs},
+        "files": file_contents(files),
+        "configs": {p.name: digest(p) for p in configs},
+        "unread_by_vllm": file_stats(unread),
     }
 
 
@@ -212,14 +219,57 @@ def unidentified_weights(identity: dict, model_config, load_config=None) -> str 
     streamed = str(getattr(model_config, "model_weights", "") or "")
     if streamed and streamed != model:
         return f"the weights are streamed from {streamed}, whose version is not known here"
+    draft = identity["settings"].get("draft") or {}
+    if "weights" in draft and (
+        draft["weights"] is None or draft["weights"].get("commit", 1) is None
+    ):
+        return "the speculative draft's weights are neither local files nor a cached hub snapshot"
+    unread = _unread_file(identity)
+    if unread is not None:
+        return (
+            f"{unread} could not be read here (or changed as it was read): its content is not known"
+        )
     weights = identity["weights"]
     if "local" in weights:
-        names = [name for name, _, _ in weights["local"]["files"]]
-        if os.path.isdir(model) and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        files = weights["local"]["files"] + weights["local"]["unread_by_vllm"]
+        if os.path.isdir(model) and not any(n.endswith(WEIGHT_SUFFIXES) for n, _, _ in files):
             return f"no weight files in {model}"
         return None
     if weights["commit"] is None:
         return f"{model} is neither a local path nor a hub snapshot in the cache vLLM reads"
+    return None
+
+
+def _unread_file(identity: dict) -> str | None:
+    """A file the identity names whose content could not be read (its digest None): the
+    model's or the draft's weight and configuration files, a file a setting names. None if
+    there is none."""
+    draft = identity["settings"].get("draft") or {}
+    for weights in (identity["weights"], draft.get("weights") or {}):
+        local = weights.get("local") or {"files": [], "configs": {}}
+        for name, _, content in local["files"]:
+            if content is None:
+                return name
+        for name, content in local["configs"].items():
+            if content is None:
+                return name
+    return _unread_setting_file(identity["settings"])
+
+
+def _unread_setting_file(value) -> str | None:
+    """In ``_with_files``'s output: a file named by a setting whose content is None."""
+    if isinstance(value, dict):
+        if value.keys() == {"file", "content"} and value["content"] is None:
+            return str(value["file"])
+        values = [v for k, v in value.items() if k != "weights"]  # (the draft's: above)
+    elif isinstance(value, list):
+        values = value
+    else:
+        return None
+    for v in values:
+        found = _unread_setting_file(v)
+        if found is not None:
+            return found
     return None
 
 
@@ -249,11 +299,15 @@ def _draft(vllm_config):
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return None
-    out = {name: _stable(getattr(spec, name, None)) for name in _DRAFT_FIELDS}
+    out = _with_files({name: _stable(getattr(spec, name, None)) for name in _DRAFT_FIELDS})
     draft = getattr(spec, "draft_model_config", None)
     if draft is not None and getattr(draft, "model", None):
+        # (without a load config of its own, vLLM loads the draft with the target's)
+        load_config = getattr(spec, "draft_load_config", None) or getattr(
+            vllm_config, "load_config", None
+        )
         try:
-            out["weights"] = weights_identity(draft, getattr(spec, "draft_load_config", None))
+            out["weights"] = weights_identity(draft, load_config)
         except OSError:
             out["weights"] = None
     return out
@@ -279,13 +333,13 @@ def kv_identity(vllm_config) -> dict:
         ),
         "loader": _stable(_loader_options(load_config)),
         "multimodal": _multimodal(mc),
-        "draft": _draft(vllm_config),
     }
     return _stable(
         {
             "weights": weights_identity(mc, load_config),
             "load_format": str(getattr(load_config, "load_format", "auto") or "auto").lower(),
-            "settings": _with_files(settings),
+            # (the draft's file names are its identity's, never names of files here)
+            "settings": {**_with_files(settings), "draft": _draft(vllm_config)},
             "definition": _hf_configs(mc),
             "vllm": getattr(vllm, "__version__", None),
             "cache_dtype": str(getattr(cache_config, "cache_dtype", None) or "auto"),

@@ -7,9 +7,10 @@ entry point in every process vLLM starts; it wraps ``load_model`` of each runner
 calls the original, then, only when this engine's KV connector is ours, records the loaded model
 for this process. vLLM creates the worker-side connector after loading the model, so by
 ``register_kv_caches`` the model is there (``loaded_model``). Just before the load it takes the
-identity of what is about to be loaded (``layout/identity.py``; file stats, no weight byte), and
-after it whether the model's files changed meanwhile (``identity_at_load``): the fingerprint must
-name the weights computed here, not whatever the files hold when the connector is built.
+identity of what is about to be loaded (``layout/identity.py``: the files' content digests, each
+file read once per version of it), and after it whether the model's files changed meanwhile
+(``identity_at_load``): the fingerprint must name the weights computed here, not whatever the
+files hold when the connector is built.
 Nothing of vLLM's is edited on disk and no stack is inspected. If the worker finds no model
 recorded (a runner we do not know), it says so once and recompute is off (reuse stays
 exact-prefix).

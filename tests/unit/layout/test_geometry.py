@@ -90,7 +90,9 @@ def test_same_inputs_same_fingerprint(model_dir):
     assert fp(model_dir, hf_overrides=lambda c: c) == fp(model_dir, hf_overrides=lambda c: c)
 
 
-@pytest.mark.parametrize("how", ["rewrite", "size", "mtime", "new_shard", "index", "config"])
+@pytest.mark.parametrize(
+    "how", ["rewrite", "size", "same_stats", "new_shard", "index", "config", "code"]
+)
 def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
     weights = model_dir / "model.safetensors"
     st = weights.stat()
@@ -102,8 +104,17 @@ def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
     elif how == "size":  # same mtime, other size
         weights.write_bytes(b"\x01" * 65)
         os.utime(weights, ns=(old_ns, old_ns))
-    elif how == "mtime":  # same size, other mtime
-        os.utime(weights, ns=(old_ns, old_ns + 1))
+    elif how == "same_stats":  # other content, same name, size and mtime (a normalising copy)
+        weights.write_bytes(b"\x04" * 64)
+        os.utime(weights, ns=(old_ns, old_ns))
+        assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (st.st_size, old_ns)
+    elif how == "code":  # the model's own code (trust_remote_code), same size and mtime
+        code = model_dir / "modeling_x.py"
+        code.write_text("A = 1")
+        os.utime(code, ns=(old_ns, old_ns))
+        before = fp(model_dir)
+        code.write_text("A = 2")
+        os.utime(code, ns=(old_ns, old_ns))
     elif how == "new_shard":
         (model_dir / "model-00002-of-00002.bin").write_bytes(b"\x03")
     elif how == "index":
@@ -111,6 +122,14 @@ def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
     elif how == "config":
         (model_dir / "config.json").write_text('{"model_type": "llama", "rope_theta": 5e5}')
     assert fp(model_dir) != before
+
+
+def test_the_same_weights_touched_keep_it(model_dir):
+    """Known by content: a copy whose timestamps moved (another machine's download) is still
+    these weights, so instances sharing donors need not agree on mtimes."""
+    before = fp(model_dir)
+    os.utime(model_dir / "model.safetensors", ns=(5, 5))
+    assert fp(model_dir) == before
 
 
 def test_files_that_are_not_weights_do_not_change_it(model_dir):
@@ -307,3 +326,65 @@ def test_an_engine_whose_plugins_leave_ours_out_never_lets_donors_leave_the_proc
     assert local_only(model_dir) is None
     monkeypatch.delenv("VLLM_PLUGINS")
     assert local_only(model_dir) is None
+
+
+@pytest.mark.parametrize("unread", ["model.safetensors", "config.json", "scales.json"])
+def test_a_file_whose_content_cannot_be_read_keeps_donors_in_this_process(
+    model_dir, unread, monkeypatch
+):
+    """An unreadable file (or one that changed as it was read) has no digest: two such files
+    must not key alike, so the engine persists and shares nothing. For the weights, the model's
+    configuration files and a file a setting names."""
+    from semshare_vllm.core import file_digest
+
+    (model_dir / "scales.json").write_text("{}")
+    real = file_digest.digest
+    monkeypatch.setattr(file_digest, "digest", lambda p: None if p.name == unread else real(p))
+    for module in ("semshare_vllm.core.files", "semshare_vllm.layout.identity"):
+        monkeypatch.setattr(f"{module}.digest", file_digest.digest)
+    scales = {"scale_file": str(model_dir / "scales.json")}
+    reason = local_only(model_dir, hf_overrides=scales)
+    assert reason is not None and unread in reason
+
+
+@pytest.mark.parametrize("load_format", ["auto", "pt"])
+def test_files_vllm_does_not_load_are_known_by_stats(model_dir, load_format, monkeypatch):
+    """vLLM reads safetensors first (``pt``: ``*.pt`` only), and never a trainer's files: a
+    repository's .bin copy beside safetensors and optimizer.pt are not read in full, yet still
+    key the identity."""
+    from semshare_vllm.core import file_digest
+
+    (model_dir / "pytorch_model.bin").write_bytes(b"\x01" * 32)
+    (model_dir / "optimizer.pt").write_bytes(b"\x01" * 32)
+    read = []
+    real = file_digest.digest
+    monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: read.append(p.name) or real(p))
+    before = fp(model_dir, load_format=load_format)
+    assert "pytorch_model.bin" not in read and "model.safetensors" in read
+    assert "optimizer.pt" not in read
+    for name in ("pytorch_model.bin", "optimizer.pt"):
+        (model_dir / name).write_bytes(b"\x02" * 33)
+        assert fp(model_dir, load_format=load_format) != before
+        before = fp(model_dir, load_format=load_format)
+
+
+def test_a_hidden_safetensors_file_is_not_what_vllm_loads(model_dir, monkeypatch):
+    from semshare_vllm.core import file_digest
+
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "pytorch_model.bin").write_bytes(b"\x01" * 32)
+    (model_dir / "._model.safetensors").write_bytes(b"\x00" * 8)
+    read = []
+    real = file_digest.digest
+    monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: read.append(p.name) or real(p))
+    fp(model_dir)
+    assert "pytorch_model.bin" in read
+
+
+def test_a_single_file_checkpoint_without_a_config_beside_it_is_identified(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"\x00" * 60)
+    assert local_only(gguf) is None
+    before = fp(gguf)
+    gguf.write_bytes(b"GGUF" + b"\x01" * 60)
+    assert fp(gguf) != before

@@ -169,6 +169,54 @@ def test_the_draft_model_changes_it(model_dir, tmp_path):
     assert with_draft() != before
 
 
+def test_a_draft_whose_weights_are_not_known_keeps_donors_in_this_process(model_dir):
+    """A draft given as a hub id with no cached snapshot: nothing tells its versions apart."""
+    draft = SimpleNamespace(model="org/not-cached-draft", revision=None)
+    spec = SimpleNamespace(model=draft.model, method="draft_model", draft_model_config=draft)
+    reason = geometry(mc(model_dir), speculative_config=spec).local_only
+    assert reason is not None and "draft" in reason
+
+
+def test_a_draft_downloaded_where_the_target_was_is_known_by_its_snapshot(model_dir, tmp_path):
+    """Without a load config of its own, vLLM loads the draft with the target's (its
+    ``download_dir``): its snapshot is looked for there."""
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--draft" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--org--draft" / "refs").mkdir()
+    (cache / "models--org--draft" / "refs" / "main").write_text("a" * 40)
+    draft = SimpleNamespace(model="org/draft", revision=None)
+    spec = SimpleNamespace(model="org/draft", method="draft_model", draft_model_config=draft)
+    load = SimpleNamespace(download_dir=str(cache), load_format="auto")
+    assert geometry(mc(model_dir), load, speculative_config=spec).local_only is None
+
+
+def test_a_loader_option_named_like_our_identity_is_only_an_option(model_dir):
+    """Settings are the user's: one holding ``{"local": ...}`` is not a weights identity."""
+    extra = {"local": {"enabled": True}, "files": [1, 2], "file": "x", "content": None}
+    load = SimpleNamespace(download_dir=None, load_format="auto", model_loader_extra_config=extra)
+    assert geometry(mc(model_dir), load).local_only is None
+
+
+def test_the_draft_files_names_are_not_files_of_the_working_directory(
+    model_dir, tmp_path, monkeypatch
+):
+    """The draft's identity lists its files by name (``model.safetensors``): such a name must
+    not be taken for a file of the working directory and keyed by that file's content."""
+    m = mc(model_dir)
+    draft_dir = write_model(tmp_path / "draft")
+    draft = SimpleNamespace(model=str(draft_dir), revision=None)
+    spec = SimpleNamespace(model=str(draft_dir), method="draft_model", draft_model_config=draft)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    before = fp(m, speculative_config=spec)
+    (elsewhere / "model.safetensors").write_bytes(b"\x09" * 8)
+    (elsewhere / "config.json").write_text("{}")
+    assert fp(m, speculative_config=spec) == before
+
+
 def test_multimodal_processing_settings_change_it_and_cache_sizes_do_not(model_dir):
     from vllm.config.multimodal import MultiModalConfig
 
@@ -257,6 +305,7 @@ def test_a_model_that_cannot_be_identified_starts_and_keeps_its_donors(model_dir
         ("tensorizer", {"tensorizer_uri": "s3://bucket/ft-v1/model.tensors"}),
         ("ipc_cache", {}),
         ("modelexpress", {}),
+        ("npcache", {}),  # its numpy copy outlives a change of the .bin files
         ("my_plugins_loader", {}),
     ],
 )

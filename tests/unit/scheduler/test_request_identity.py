@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from support.scheduler import BS, Blocks, geometry, request
 
@@ -17,6 +19,13 @@ from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed,
 from semshare_vllm.core.keys import donor_id_for
 from semshare_vllm.scheduler import SemShareScheduler
 from semshare_vllm.store import donor_file
+
+
+@pytest.fixture(autouse=True)
+def adapters_written_long_ago(monkeypatch):
+    """The adapters here are written a moment before they are used: taken as settled (the
+    rule for ones that are not has its own test)."""
+    monkeypatch.setattr("semshare_vllm.core.identity.recently_changed", lambda path: False)
 
 
 def lora(name, path="/adapters/x", int_id=1, load_inplace=False):
@@ -82,11 +91,24 @@ def test_a_lora_donor_serves_only_its_own_adapter():
     assert s.get_num_new_matched_tokens(same, 0) == (128, False)
 
 
-def _adapter(path, version: int):
-    """An adapter directory as PEFT writes one; each version has other bytes."""
+def _adapter(path, version: int, keep_stats: bool = False):
+    """An adapter directory as PEFT writes one; each version has other bytes. ``keep_stats``:
+    the new version's files have the old ones' sizes and mtimes (a copy that normalises
+    timestamps)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "version": version}))
-    (path / "adapter_model.safetensors").write_bytes(bytes([version]) * (1000 + version))
+    files = {
+        "adapter_config.json": json.dumps({"r": 8, "version": version}).encode(),
+        "adapter_model.safetensors": bytes([version]) * (1000 + (0 if keep_stats else version)),
+    }
+    for name, data in files.items():
+        old = (path / name).stat() if keep_stats and (path / name).exists() else None
+        (path / name).write_bytes(data)
+        while old is not None and (path / name).stat().st_ctime_ns == old.st_ctime_ns:
+            time.sleep(0.005)  # (a coarse kernel clock: the rewrite must be a new version)
+            (path / name).write_bytes(data)
+        if old is not None:
+            assert old.st_size == len(data)
+            os.utime(path / name, ns=(old.st_atime_ns, old.st_mtime_ns))
     return str(path)
 
 
@@ -113,6 +135,40 @@ def test_a_lora_namespace_holds_the_adapter_files_vllm_loaded(tmp_path):
     assert inplace == changed  # reloaded at a moment not seen here: this process only
 
 
+def test_an_adapter_is_known_by_the_content_of_the_files_vllm_reads(tmp_path, monkeypatch):
+    """adapter_config.json and adapter_model.* by content; a trainer's files beside them by
+    stats (never read in full); one whose content cannot be read: this process only."""
+    from semshare_vllm.core import file_digest, identity
+
+    path = _adapter(tmp_path / "ckpt", 1)
+    (tmp_path / "ckpt" / "optimizer.pt").write_bytes(b"\x01" * 64)
+    read = []
+    real = file_digest.digest
+    monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: read.append(p.name) or real(p))
+    files = identity._files_now(path)
+    assert sorted(read) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [name for name, _, _ in files["others"]] == ["optimizer.pt"]
+    monkeypatch.setattr(
+        "semshare_vllm.core.files.digest",
+        lambda p: None if p.name == "adapter_model.safetensors" else real(p),
+    )
+    assert identity._files_now(path) == {"process": identity._THIS_PROCESS}
+
+
+def test_an_adapter_written_a_moment_ago_keys_donors_to_this_process_only(tmp_path, monkeypatch):
+    """Its version could still change within the kernel clock's tick, and its digest would be
+    read again at every request: not read at all, this process only."""
+    from semshare_vllm.core import file_digest, identity
+
+    monkeypatch.setattr(identity, "recently_changed", file_digest.recently_changed)
+    path = _adapter(tmp_path / "fresh", 1)
+    monkeypatch.setattr(file_digest, "digest", lambda p: pytest.fail("read"))
+    assert identity._files_now(path) == {"process": identity._THIS_PROCESS}
+    monkeypatch.setattr(file_digest, "RACY_S", 0.0)
+    monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: "d" * 64)
+    assert "files" in identity._files_now(path)
+
+
 def test_a_lora_adapter_whose_files_cannot_be_read_keys_donors_to_this_process_only():
     """A path that is neither a local directory nor a cached hub snapshot (a resolver's URL):
     its donors serve this process only, never another instance or a restart."""
@@ -132,11 +188,12 @@ def test_a_lora_adapter_whose_files_cannot_be_read_keys_donors_to_this_process_o
     assert other and other != here
 
 
-def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path):
+@pytest.mark.parametrize("keep_stats", [False, True], ids=["rewritten", "same-sizes-and-mtimes"])
+def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path, keep_stats):
     """A donor of adapter v1 written to persist_dir, the adapter retrained at the same path, the
     engine restarted: the donor's KV came from other weights and is not claimed; with the
-    adapter unchanged it is."""
-    path = _adapter(tmp_path / "adapters" / "support", 1)
+    adapter unchanged it is. Also when the new files have the old ones' sizes and mtimes."""
+    path = _adapter(tmp_path / "adapters" / "support", 1, keep_stats)
 
     def req(rid, tokens, int_id=21):
         return with_identity(request(rid, tokens), lora_request=lora("support", path, int_id))
@@ -160,7 +217,7 @@ def test_a_persisted_lora_donor_is_not_served_after_its_adapter_changed(tmp_path
     unchanged = SemShareScheduler(config, g)  # (another id: as a restarted engine sees it)
     assert unchanged.get_num_new_matched_tokens(req("t1", target, 22), 0) == (128, False)
 
-    _adapter(tmp_path / "adapters" / "support", 2)
+    _adapter(tmp_path / "adapters" / "support", 2, keep_stats)
     restarted = SemShareScheduler(config, g)
     assert restarted.stats.totals["donors_restored"] == 1
     assert restarted.get_num_new_matched_tokens(req("t2", target, 23), 0) == (0, False)
