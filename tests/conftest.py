@@ -12,11 +12,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(autouse=True)
-def _file_digests_kept_apart(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _file_digests_kept_apart(tmp_path_factory):
     """Digests of the tests' temporary files go to a directory of this run, not the user's
-    cache (an engine's own processes, which tests start, still use the user's: bounded)."""
+    cache, for every fixture's engine too (session scope: set up before module fixtures). The
+    engines tests start in processes of their own still use the user's (bounded)."""
     from semshare_vllm.core import file_digest
 
     root = tmp_path_factory.getbasetemp() / "file-digests"
-    monkeypatch.setattr(file_digest, "_cache_root", lambda: root)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(file_digest, "_cache_root", lambda: root)
+        yield

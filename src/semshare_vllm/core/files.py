@@ -1,8 +1,8 @@
 """What a model's or an adapter's files are: each one's name, size and content digest
 (``core/file_digest.py``: read once per version of the file), or the commit of a cached hub
 snapshot. Equal names, sizes and mtimes say nothing of content (copies normalise timestamps), so
-a file vLLM reads is never known by its mtime; files beside it that vLLM does not read are
-(``file_stats``: they change an identity when rewritten, at no cost)."""
+a file vLLM reads is never known by its mtime. Files beside it that vLLM does not read are known
+by name and size (``file_sizes``: no read, and a copy made at another time is the same)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,14 @@ def file_contents(paths) -> list[list]:
     return out
 
 
-def file_stats(paths) -> list[list]:
-    """``[name, size, mtime_ns]`` of each path that can be stat'ed, in the order given."""
+def file_sizes(paths) -> list[list]:
+    """``[name, size]`` of each path that can be stat'ed, in the order given."""
     out = []
     for p in paths:
         try:
-            st = Path(p).stat()
+            out.append([Path(p).name, Path(p).stat().st_size])
         except OSError:
             continue
-        out.append([Path(p).name, st.st_size, st.st_mtime_ns])
     return out
 
 

@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from semshare_vllm.core.file_digest import recently_changed
-from semshare_vllm.core.files import file_contents, file_stats, hub_snapshot
+from semshare_vllm.core.files import file_contents, file_sizes, hub_snapshot
 
 _MARK = "\x00semshare:"
 # An adapter directory's files vLLM reads (``lora/peft_helper.py``, ``lora/lora_model.py``).
@@ -73,10 +73,10 @@ def adapter_files(lora, path: str) -> object:
 def _files_now(path: str) -> object:
     """A local adapter directory's files (PEFT writes them flat): the names, sizes and content
     digests of those vLLM reads (``adapter_config.json``, ``adapter_model.*``; each read once per
-    version of it), the stats of the others (a trainer's ``optimizer.pt`` beside them is not
-    read); a cached hub snapshot's commit; or, where neither can be read (a resolver's URL), this
-    process: its donors are then never restored by another process nor shared with another
-    instance."""
+    version of it), the names and sizes of the others (a trainer's ``optimizer.pt`` beside them
+    is not read); a cached hub snapshot's commit; or, where neither can be read (a resolver's
+    URL), this process: its donors are then never restored by another process nor shared with
+    another instance."""
     local = Path(path) if path else None
     try:
         read, others = None, []
@@ -92,7 +92,7 @@ def _files_now(path: str) -> object:
             return {"process": _THIS_PROCESS}
         files = None if read is None else {"files": file_contents(read)}
         if others:
-            files["others"] = file_stats(others)
+            files["others"] = file_sizes(others)
     except OSError:  # unreadable here (permissions): vLLM's worker may still load it
         return {"process": _THIS_PROCESS}
     if files is not None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from semshare_vllm.core.file_digest import digest
-from semshare_vllm.core.files import file_contents, file_stats, hub_snapshot
+from semshare_vllm.core.files import file_contents, file_sizes, hub_snapshot
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 # A local model's own code (``trust_remote_code``) computes its KV as much as its weights do.
@@ -151,7 +151,7 @@ def _with_files(value):
 def _local_weights(path: Path) -> dict:
     """A local model's weight and code files (names, sizes, content digests) and its
     configuration files (content): another checkpoint at the same path changes it, whatever its
-    files' names, sizes and mtimes. Files vLLM does not load are known by stats
+    files' names, sizes and mtimes. Files vLLM does not load are known by name and size
     (``unread_by_vllm``), not read in full: a trainer's, and ``.bin`` files beside safetensors
     (every load format we key takes safetensors first, or ``*.pt`` only: vLLM's
     ``DefaultModelLoader._prepare_weights``). ``.pt`` files are read (a model's own code may
@@ -177,7 +177,7 @@ def _local_weights(path: Path) -> dict:
     return {
         "files": file_contents(files),
         "configs": {p.name: digest(p) for p in configs},
-        "unread_by_vllm": file_stats(unread),
+        "unread_by_vllm": file_sizes(unread),
     }
 
 

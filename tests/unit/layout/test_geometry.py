@@ -127,8 +127,11 @@ def test_other_weights_at_the_same_path_change_the_fingerprint(model_dir, how):
 def test_the_same_weights_touched_keep_it(model_dir):
     """Known by content: a copy whose timestamps moved (another machine's download) is still
     these weights, so instances sharing donors need not agree on mtimes."""
+    (model_dir / "training_args.bin").write_bytes(b"\x01" * 8)  # (what vLLM does not load)
+    (model_dir / "pytorch_model.bin").write_bytes(b"\x01" * 8)
     before = fp(model_dir)
-    os.utime(model_dir / "model.safetensors", ns=(5, 5))
+    for name in ("model.safetensors", "training_args.bin", "pytorch_model.bin"):
+        os.utime(model_dir / name, ns=(5, 5))
     assert fp(model_dir) == before
 
 

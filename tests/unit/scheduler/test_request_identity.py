@@ -147,7 +147,7 @@ def test_an_adapter_is_known_by_the_content_of_the_files_vllm_reads(tmp_path, mo
     monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: read.append(p.name) or real(p))
     files = identity._files_now(path)
     assert sorted(read) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert [name for name, _, _ in files["others"]] == ["optimizer.pt"]
+    assert files["others"] == [["optimizer.pt", 64]]  # (name and size: never read)
     monkeypatch.setattr(
         "semshare_vllm.core.files.digest",
         lambda p: None if p.name == "adapter_model.safetensors" else real(p),
@@ -162,7 +162,7 @@ def test_an_adapter_written_a_moment_ago_keys_donors_to_this_process_only(tmp_pa
 
     monkeypatch.setattr(identity, "recently_changed", file_digest.recently_changed)
     path = _adapter(tmp_path / "fresh", 1)
-    monkeypatch.setattr(file_digest, "digest", lambda p: pytest.fail("read"))
+    monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: pytest.fail("read"))
     assert identity._files_now(path) == {"process": identity._THIS_PROCESS}
     monkeypatch.setattr(file_digest, "RACY_S", 0.0)
     monkeypatch.setattr("semshare_vllm.core.files.digest", lambda p: "d" * 64)
