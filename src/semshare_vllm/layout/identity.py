@@ -231,8 +231,9 @@ def unidentified_weights(identity: dict, model_config, load_config=None) -> str 
         )
     weights = identity["weights"]
     if "local" in weights:
-        files = weights["local"]["files"] + weights["local"]["unread_by_vllm"]
-        if os.path.isdir(model) and not any(n.endswith(WEIGHT_SUFFIXES) for n, _, _ in files):
+        # (the files vLLM loads: a .bin beside safetensors comes with them, a trainer's is none)
+        names = [name for name, _, _ in weights["local"]["files"]]
+        if os.path.isdir(model) and not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
             return f"no weight files in {model}"
         return None
     if weights["commit"] is None:

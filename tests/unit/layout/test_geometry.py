@@ -391,3 +391,13 @@ def test_a_single_file_checkpoint_without_a_config_beside_it_is_identified(tmp_p
     before = fp(gguf)
     gguf.write_bytes(b"GGUF" + b"\x01" * 60)
     assert fp(gguf) != before
+
+
+def test_a_directory_with_a_trainers_files_but_no_weights_has_no_weight_files(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "modeling_x.py").write_text("A = 1")
+    (d / "training_args.bin").write_bytes(b"\x01" * 8)
+    reason = local_only(d)
+    assert reason is not None and "no weight files" in reason
