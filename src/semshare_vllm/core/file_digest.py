@@ -77,7 +77,7 @@ def digest(path: Path) -> str | None:
                 known = _memo.get(key)
             if known is not None:
                 return known
-            if _racy(key):
+            if _recent(key[5]):
                 return _compute(f, key)  # (kept nowhere)
             found = _through_cache_file(f, key)
     except OSError:
@@ -90,15 +90,16 @@ def digest(path: Path) -> str | None:
     return found
 
 
-def _racy(key: tuple) -> bool:
-    return time.time_ns() - key[5] < RACY_S * 1e9
+def _recent(ctime_ns: int) -> bool:
+    """Less than ``RACY_S`` old, or in the future (another clock)."""
+    return time.time_ns() - ctime_ns < RACY_S * 1e9
 
 
 def recently_changed(path: Path) -> bool:
-    """Whether ``path``'s ctime is less than ``RACY_S`` old, or in the future (another clock):
-    such a version is kept nowhere, so a caller asking often should not ask for its digest."""
+    """Whether ``path``'s ctime is ``_recent``: such a version is kept nowhere, so a caller
+    asking often should not ask for its digest."""
     try:
-        return time.time_ns() - os.stat(path).st_ctime_ns < RACY_S * 1e9
+        return _recent(os.stat(path).st_ctime_ns)
     except OSError:
         return False
 
