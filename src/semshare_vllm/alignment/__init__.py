@@ -3,7 +3,8 @@
 The entry is ``align(target_ids, donor_ids, params, table, splitter) -> Alignment`` (align.py).
 One concept per file: ``result.py`` (the ``Alignment`` value), ``exact_runs.py`` (token-identical
 runs at any offset), ``edits.py`` (edit alignment of the gaps, rapidfuzz), ``sentences.py``
-(sentence units), ``lsh.py`` (SemShareKV's LSH on RoPE-rotated input embeddings, and its
+(sentence units), ``echoes.py`` (aligned tokens echoing the unshared text),
+``lsh.py`` (SemShareKV's LSH on RoPE-rotated input embeddings, and its
 prompt similarity score), ``embedding_table.py`` (the input embeddings, read from safetensors).
 """
 

@@ -393,15 +393,23 @@ def always_recompute(
     same_token: np.ndarray | None = None,
     run_head: int = 4,
     tail: int = 8,
+    echoes: np.ndarray | None = None,
+    echo_span: int = 0,
 ) -> np.ndarray:
     """Positions of ``loaded`` whose donor KV cannot be right: no donor token, a different
     donor token (measured as no better than a random token's KV), the first ``run_head`` tokens
     of every stretch aligned to consecutive donor positions (they attended to other tokens in
-    the donor), and the last ``tail`` loaded positions. A stretch is read from ``donor_pos``
-    itself, not from the exact stage's runs: the edit, sentence and LSH stages align same
-    tokens outside any run, down to a lone newline of another instruction."""
+    the donor), the last ``tail`` loaded positions, and where ``echo_span`` > 0, each echo
+    (``alignment.echoes``: the start of a pair of tokens that also occurs in the text the
+    prompts do not share) with its pair and the ``echo_span`` tokens after it (the deeper
+    layers read that passage in the other prompt's context). A stretch is read from
+    ``donor_pos`` itself, not from the exact stage's runs: the edit, sentence and LSH stages
+    align same tokens outside any run, down to a lone newline of another instruction."""
     loaded = np.asarray(loaded, dtype=np.int64)
     out = [loaded[-tail:]] if tail > 0 and len(loaded) else []
+    if echoes is not None and echo_span > 0 and len(echoes):
+        spans = (np.asarray(echoes, dtype=np.int64)[:, None] + np.arange(2 + echo_span)).ravel()
+        out.append(np.intersect1d(spans, loaded))
     if donor_pos is not None:
         donor_pos = np.asarray(donor_pos, dtype=np.int64)
         bad = donor_pos[loaded] < 0

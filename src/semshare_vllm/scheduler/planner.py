@@ -159,13 +159,19 @@ class Aligner:
 
 
 def plan_claim(
-    key: Hashable, al: Alignment, start: int, end: int, run_head: int, tail: int
+    key: Hashable,
+    al: Alignment,
+    start: int,
+    end: int,
+    run_head: int,
+    tail: int,
+    echo_span: int = 0,
 ) -> SemanticPlan:
     """Claim ``[start, end)`` of the request from donor ``key`` aligned by ``al``."""
     loaded = np.arange(start, end)
     donor_pos = al.donor_pos[start:end]
     same = al.kind == MatchKind.EXACT
-    always = always_recompute(loaded, al.donor_pos, same, run_head, tail)
+    always = always_recompute(loaded, al.donor_pos, same, run_head, tail, al.echoes, echo_span)
     aligned = donor_pos >= 0
     exact = int((aligned & same[start:end]).sum())
     return SemanticPlan(

@@ -163,8 +163,15 @@ class SemanticSearch:
             and mode != "semantic"
         ):
             return None
+        c = self.config
         return plan_claim(
-            key, al, num_computed, end, self.config.recompute_run_head, self.config.recompute_tail
+            key,
+            al,
+            num_computed,
+            end,
+            c.recompute_run_head,
+            c.recompute_tail,
+            c.recompute_echo_span,
         )
 
     def _align(self, request, state: RequestState, num_computed: int):

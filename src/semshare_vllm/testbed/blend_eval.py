@@ -106,10 +106,34 @@ class BlendBench:
         )
         return {name: c.clone() for name, c in self.caches.items()}
 
-    def always(self, run_head: int = 4, tail: int = 8) -> np.ndarray:
+    def always(self, run_head: int = 4, tail: int = 8, echo_span: int = 24) -> np.ndarray:
         """What the connector would always recompute when claiming all but the last token."""
-        plan = plan_claim(None, self.alignment, 0, len(self.target) - 1, run_head, tail)
+        plan = plan_claim(None, self.alignment, 0, len(self.target) - 1, run_head, tail, echo_span)
         return np.asarray(plan.always, dtype=np.int64)
+
+    def continuation_nll(self, selection: Selection | None, prompt_len: int) -> float:
+        """Mean negative log-likelihood (nats per token) of ``target[prompt_len:]`` after the
+        prompt, as the bench scores a reference: cold (``selection`` None), or with the blend's
+        first ``prompt_len - 1`` positions loaded and repaired under ``selection`` over them,
+        and the rest (the prompt's last token, the continuation) computed after it, as vLLM
+        does after a hit."""
+        n, loaded = len(self.target), prompt_len - 1
+        if not 0 < loaded < n - 1:
+            raise ValueError("the prompt must leave a continuation and load a position")
+        if selection is None:
+            blocks = self.cold_blocks
+            out = self.runner.recompute(self.target, blocks, np.arange(n), final_hidden=True)
+            hidden = out.hidden[loaded:]
+        else:
+            blocks = self.blend_blocks
+            for key, c in self.caches.items():
+                c.copy_(self.blended[key])
+            self.runner.recompute(self.target, blocks, selection, context=loaded)
+            rest = np.arange(loaded, n)
+            hidden = self.runner.recompute(self.target, blocks, rest, final_hidden=True).hidden
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:-1]).float(), dim=-1)
+        nxt = torch.as_tensor(self.target[prompt_len:])
+        return float(-logprobs[torch.arange(len(nxt)), nxt].mean())
 
     def evaluate(self, name: str, selection: Selection) -> Outcome:
         """Repair a fresh copy of the blend under ``selection`` (whose candidates should include

@@ -1,0 +1,88 @@
+"""A passage naming what the target asks about is read as cold reads it after a semantic hit
+(real vLLM engine on CPU, SmolLM2-135M, the bench's doc-qa workload at 1K tokens).
+
+The donor asks about one work, the target about another; both prompts hold the same passages.
+The donor's KV of the passage on the target's work was computed under the donor's question, and
+the deeper layers read it differently: before echoes (``alignment/echoes.py``) the adaptive
+repair left it as the donor had it (its check layer ranked it past the first 15% of tokens), and
+the perplexity of the reference (the answer, then the passage's sentence stating it) was 1.12x
+cold's. Scored as the bench scores it: the reference after the prompt, the prompt's loaded
+positions repaired, the rest computed after them (``BlendBench.continuation_nll``)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from semshare_vllm.bench import workloads
+from semshare_vllm.config import SemShareConfig
+from semshare_vllm.recompute.policy import make_selection
+from semshare_vllm.scheduler.planner import plan_claim
+from semshare_vllm.testbed import offline
+from semshare_vllm.testbed.blend_eval import BlendBench
+
+pytestmark = pytest.mark.engine
+
+ASKED = "Who wrote Candide?"
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    engine = offline.semshare_llm(
+        model, {"recompute_policy": "all", "embedder": "none", "capture": False}
+    )
+    yield engine
+    del engine
+    offline.drop_connector()
+
+
+@pytest.fixture(scope="module")
+def pair(llm, tok):
+    """The doc-qa group whose target asks ``ASKED``: its donor and target token ids, and where
+    the target's prompt ends (its reference follows)."""
+    requests = workloads.build("doc-qa", 2, 1024, workloads.Sizer(tok), 0)
+    target = next(r for r in requests if r.role == "target" and ASKED in r.prompt[-40:])
+    donor = next(r for r in requests if r.role == "donor" and r.group == target.group)
+    assert ASKED not in donor.prompt
+    head = tok(target.prompt)["input_ids"]
+    tail = tok(target.reference, add_special_tokens=False)["input_ids"]
+    return tok(donor.prompt)["input_ids"], head + tail, len(head)
+
+
+def test_the_passage_on_what_the_target_asks_is_read_as_cold_reads_it(llm, pair):
+    donor, target, prompt_len = pair
+    worker = offline.connector_halves(llm)[1]
+    bench = BlendBench(
+        worker.kv.repairer.runner.model,
+        worker.kv.layout,
+        worker.kv.caches[0],
+        list(worker.geometry.layer_names),
+        donor,
+        target,
+    )
+    assert len(bench.alignment.echoes) > 0
+    config = SemShareConfig()
+    loaded = np.arange(prompt_len - 1)
+    cold = bench.continuation_nll(None, prompt_len)
+
+    def ratio(echo_span: int) -> tuple[float, float]:
+        plan = plan_claim(
+            None,
+            bench.alignment,
+            0,
+            len(loaded),
+            config.recompute_run_head,
+            config.recompute_tail,
+            echo_span,
+        )
+        always = np.asarray(plan.always, dtype=np.int64)
+        selection = make_selection("adaptive", loaded, always, config, 30)
+        served = bench.continuation_nll(selection, prompt_len)
+        assert not selection.declined
+        return math.exp(served - cold), len(always) / len(loaded)
+
+    served, share = ratio(config.recompute_echo_span)
+    before, _ = ratio(0)
+    assert before > 1.05  # the case still shows what echoes are for
+    assert served <= 1.03, (served, before)
+    assert share < 0.2  # echoes are a few passages, not the prompt

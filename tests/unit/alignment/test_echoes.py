@@ -1,0 +1,67 @@
+"""Echoes: aligned tokens that repeat a rare token pair of the text the prompts do not share
+(the passage naming what another question asks about), always recomputed on semantic loads."""
+
+import numpy as np
+from support.tokens import random_id_list as tokens
+
+from semshare_vllm.alignment import AlignParams, align
+from semshare_vllm.alignment.echoes import MAX_REPEATS, echo_starts
+from semshare_vllm.recompute.policy import always_recompute
+from semshare_vllm.scheduler.planner import plan_claim
+
+ENTITY_T, ENTITY_D = [7001, 7002], [8001, 8002]  # what each prompt's question names
+COMMON = [9001, 9002]  # a pair the passages use often
+
+
+def prompts():
+    """A question naming an entity, passages, the question again (doc-qa's shape): the target
+    asks about ENTITY_T, the donor about ENTITY_D; the passages name both, once each."""
+    a, b, c = tokens(60, 1), tokens(60, 2), tokens(60, 3)
+    passages = a + ENTITY_T + b + ENTITY_D + c + COMMON * (MAX_REPEATS + 1)
+    target = tokens(5, 4) + ENTITY_T + tokens(3, 5) + passages + tokens(5, 4) + ENTITY_T
+    donor = tokens(5, 6) + ENTITY_D + tokens(3, 7) + passages + tokens(5, 6) + ENTITY_D
+    return target, donor, 10 + len(a), 10 + len(a) + 2 + len(b)
+
+
+def test_the_passages_naming_either_question_s_entity_are_echoes():
+    target, donor, at_t, at_d = prompts()
+    al = align(target, donor, AlignParams(stages=("exact",)))
+    assert al.donor_pos[at_t] >= 0 and al.donor_pos[at_d] >= 0  # the passages are shared
+    # the target's entity echoes its own question; the donor's echoes the donor's question
+    assert list(al.echoes) == [at_t, at_d]
+    assert np.array_equal(
+        al.echoes, echo_starts(np.array(target), np.array(donor), al.donor_pos, al.kind)
+    )
+
+
+def test_a_pair_common_in_the_shared_text_is_no_echo():
+    target, donor, at_t, at_d = prompts()
+    # the donor's question now also holds the common pair: it stays common, not an echo
+    donor = donor[:5] + COMMON + donor[5:]
+    al = align(target, donor, AlignParams(stages=("exact",)))
+    assert set(al.echoes) == {at_t, at_d}
+
+
+def test_identical_prompts_have_no_echo_and_short_ones_none_either():
+    t = tokens(200, 9)
+    assert len(align(t, t, AlignParams(stages=("exact",))).echoes) == 0
+    one = np.array([5])
+    assert len(echo_starts(one, one, np.array([0]), np.array([1], dtype=np.int8))) == 0
+
+
+def test_an_echo_and_the_span_after_it_are_always_recomputed_within_the_load():
+    echoes = np.array([3, 40])
+    got = always_recompute(np.arange(10, 50), None, None, 0, 0, echoes, echo_span=4)
+    assert list(got) == list(range(40, 46))  # the pair and 4 after; position 3 is not loaded
+    assert len(always_recompute(np.arange(50), None, None, 0, 0, echoes, echo_span=0)) == 0
+
+
+def test_the_plan_recomputes_echoes_only_with_a_span():
+    target, donor, at_t, at_d = prompts()
+    al = align(target, donor, AlignParams(stages=("exact",)))
+    end = len(target) - 1
+    with_span = set(plan_claim("k", al, 0, end, 4, 1, echo_span=6).always)
+    without = set(plan_claim("k", al, 0, end, 4, 1).always)
+    echoed = set(range(at_t, at_t + 8)) | set(range(at_d, at_d + 8))
+    assert echoed <= with_span and not (echoed & without)
+    assert with_span - without == echoed
