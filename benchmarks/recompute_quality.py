@@ -49,14 +49,7 @@ def engine():
 
 
 def bench_for(worker, donor, target) -> BlendBench:
-    return BlendBench(
-        worker.kv.repairer.runner.model,
-        worker.kv.layout,
-        worker.kv.caches[0],
-        list(worker.geometry.layer_names),
-        donor,
-        target,
-    )
+    return BlendBench.on_engine(worker, donor, target)
 
 
 def policies(bench: BlendBench):

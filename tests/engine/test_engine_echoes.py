@@ -1,13 +1,15 @@
-"""A passage naming what the target asks about is read as cold reads it after a semantic hit
-(real vLLM engine on CPU, SmolLM2-135M, the bench's doc-qa workload at 1K tokens).
+"""With echoes on, a passage naming what the target asks about is read as cold reads it after a
+semantic hit (real vLLM engine on CPU, SmolLM2-135M, the bench's doc-qa workload at 1K tokens).
 
 The donor asks about one work, the target about another; both prompts hold the same passages.
 The donor's KV of the passage on the target's work was computed under the donor's question, and
-the deeper layers read it differently: before echoes (``alignment/echoes.py``) the adaptive
-repair left it as the donor had it (its check layer ranked it past the first 15% of tokens), and
-the perplexity of the reference (the answer, then the passage's sentence stating it) was 1.12x
-cold's. Scored as the bench scores it: the reference after the prompt, the prompt's loaded
-positions repaired, the rest computed after them (``BlendBench.continuation_nll``)."""
+the deeper layers read it differently: without echoes (``alignment/echoes.py``) the adaptive
+repair leaves it as the donor had it (its check layer ranked it past the first 15% of tokens),
+and the perplexity of the reference (the answer, then the passage's sentence stating it) is
+1.07x cold's. Scored as the bench scores it: the reference after the prompt, the prompt's loaded
+positions repaired, the rest computed after them (``BlendBench.continuation_nll``); only the
+prompt aligned, as the connector aligns a served request (the reference must not mark echoes).
+"""
 
 import math
 
@@ -23,7 +25,8 @@ from semshare_vllm.testbed.blend_eval import BlendBench
 
 pytestmark = pytest.mark.engine
 
-ASKED = "Who wrote Candide?"
+ASKED = "Who wrote Death of a Salesman?"
+ECHO_SPAN = 24  # the knob is off by default until measured end to end
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +40,12 @@ def llm(model):
 
 
 @pytest.fixture(scope="module")
-def pair(llm, tok):
+def pair(tok):
     """The doc-qa group whose target asks ``ASKED``: its donor and target token ids, and where
     the target's prompt ends (its reference follows)."""
     requests = workloads.build("doc-qa", 2, 1024, workloads.Sizer(tok), 0)
-    target = next(r for r in requests if r.role == "target" and ASKED in r.prompt[-40:])
+    ending = f"Question: {ASKED}\nShort answer:"
+    target = next(r for r in requests if r.role == "target" and r.prompt.endswith(ending))
     donor = next(r for r in requests if r.role == "donor" and r.group == target.group)
     assert ASKED not in donor.prompt
     head = tok(target.prompt)["input_ids"]
@@ -52,14 +56,7 @@ def pair(llm, tok):
 def test_the_passage_on_what_the_target_asks_is_read_as_cold_reads_it(llm, pair):
     donor, target, prompt_len = pair
     worker = offline.connector_halves(llm)[1]
-    bench = BlendBench(
-        worker.kv.repairer.runner.model,
-        worker.kv.layout,
-        worker.kv.caches[0],
-        list(worker.geometry.layer_names),
-        donor,
-        target,
-    )
+    bench = BlendBench.on_engine(worker, donor, target, prompt_len=prompt_len)
     assert len(bench.alignment.echoes) > 0
     config = SemShareConfig()
     loaded = np.arange(prompt_len - 1)
@@ -76,13 +73,13 @@ def test_the_passage_on_what_the_target_asks_is_read_as_cold_reads_it(llm, pair)
             echo_span,
         )
         always = np.asarray(plan.always, dtype=np.int64)
-        selection = make_selection("adaptive", loaded, always, config, 30)
+        selection = make_selection("adaptive", loaded, always, config, len(bench.runner.layers))
         served = bench.continuation_nll(selection, prompt_len)
         assert not selection.declined
         return math.exp(served - cold), len(always) / len(loaded)
 
-    served, share = ratio(config.recompute_echo_span)
+    served, share = ratio(ECHO_SPAN)
     before, _ = ratio(0)
-    assert before > 1.05  # the case still shows what echoes are for
+    assert before > 1.05, "the case no longer shows what echoes are for: pick another"
     assert served <= 1.03, (served, before)
     assert share < 0.2  # echoes are a few passages, not the prompt

@@ -304,14 +304,7 @@ def longer_head_blend(worker, cases):
 
     donor, target = cases["kv"]
     target = target[:40] + target  # another, longer head
-    bench = BlendBench(
-        worker.kv.repairer.runner.model,
-        worker.kv.layout,
-        worker.kv.caches[0],
-        list(worker.geometry.layer_names),
-        donor,
-        target,
-    )
+    bench = BlendBench.on_engine(worker, donor, target)
     return bench, target
 
 

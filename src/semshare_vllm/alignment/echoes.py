@@ -2,12 +2,13 @@
 not share.
 
 A donor's KV for an aligned token was computed in the donor's context. Where the prompts differ
-by a question or a name, the aligned passage that mentions the same thing (a title, the entity
-asked about) is read differently by the deeper layers: on real doc-qa pairs (SmolLM2-135M) the
-K/V of such a passage deviated 0.1-0.2 from cold in layers 16-20 while its layer-1 deviation
-ranked it past the first 15% of tokens, and the held-out reference's perplexity was 1.07-1.12x
-cold's until that passage was recomputed (docs/benchmarks.md, echoes). A token pair is a cheap
-trace of that link: the tokens an echo starts are recomputed with those after it
+by a question or a name, an aligned passage that mentions what either question names (a title,
+an entity) is read differently by the deeper layers: on real doc-qa pairs (SmolLM2-135M) the
+K/V of such passages deviated 0.1-0.2 from cold in layers 16-20 while their layer-1 deviation
+ranked them past the first 15% of tokens, and the held-out reference's perplexity was
+1.07-1.12x cold's until they were recomputed (docs/benchmarks.md, echoes). A token pair that
+came earlier in the unshared text is a cheap trace of that link (a token's KV reads only what
+precedes it): the tokens an echo starts are recomputed with those after it
 (``recompute_echo_span``), in every layer, by the recompute policy.
 """
 
@@ -25,27 +26,43 @@ MAX_REPEATS = 3
 def echo_starts(
     target: np.ndarray, donor: np.ndarray, donor_pos: np.ndarray, kind: np.ndarray
 ) -> np.ndarray:
-    """Target positions starting a pair of exactly aligned tokens whose ids also form a pair in
-    the target's unshared text (unaligned, or another token) or the donor's (no target token
-    takes it), and at most ``MAX_REPEATS`` times among the target's shared pairs."""
+    """Target positions starting a shared pair (two exactly aligned tokens taking consecutive
+    donor tokens) whose ids also form an unshared pair before it, in the target (before the
+    position: the target's KV there reads it) or in the donor (before the donor position: the
+    donor's KV there read it), and at most ``MAX_REPEATS`` times among the target's shared
+    pairs. Unshared: a target pair not shared, a donor pair no shared target pair takes."""
     t = np.asarray(target, dtype=np.int64)
     d = np.asarray(donor, dtype=np.int64)
-    if len(t) < 2:
-        return np.zeros(0, dtype=np.int64)
-    shared = (donor_pos >= 0) & (kind == MatchKind.EXACT)
-    used = np.zeros(len(d), dtype=bool)
-    used[donor_pos[donor_pos >= 0]] = True
+    donor_pos = np.asarray(donor_pos, dtype=np.int64)
+    kind = np.asarray(kind)
+    none = np.zeros(0, dtype=np.int64)
+    if len(t) < 2 or len(d) < 2:
+        return none
+    exact = (donor_pos >= 0) & (kind == MatchKind.EXACT)
+    shared = exact[:-1] & exact[1:] & (donor_pos[1:] == donor_pos[:-1] + 1)
     t_pairs, d_pairs = _pairs(t), _pairs(d)
-    t_shared = shared[:-1] & shared[1:]
-    unshared = np.concatenate(
-        [t_pairs[~t_shared], d_pairs[~(used[:-1] & used[1:])] if len(d) > 1 else d_pairs]
-    )
-    if not len(unshared):
-        return np.zeros(0, dtype=np.int64)
-    values, counts = np.unique(t_pairs[t_shared], return_counts=True)
+    d_shared = np.zeros(len(d_pairs), dtype=bool)
+    d_shared[donor_pos[:-1][shared]] = True
+    candidates = np.flatnonzero(shared)
+    values, counts = np.unique(t_pairs[candidates], return_counts=True)
     rare = values[counts <= MAX_REPEATS]
-    hit = t_shared & np.isin(t_pairs, rare) & np.isin(t_pairs, unshared)
-    return np.flatnonzero(hit)
+    candidates = candidates[np.isin(t_pairs[candidates], rare)]
+    v = t_pairs[candidates]
+    in_target = _first_before(t_pairs, ~shared, v, candidates)
+    in_donor = _first_before(d_pairs, ~d_shared, v, donor_pos[candidates])
+    return candidates[in_target | in_donor] if len(candidates) else none
+
+
+def _first_before(
+    pairs: np.ndarray, unshared: np.ndarray, values: np.ndarray, before: np.ndarray
+) -> np.ndarray:
+    """Per value: whether ``pairs`` holds it, unshared, at an index below ``before``."""
+    seen, first = np.unique(pairs[unshared], return_index=True)
+    if not len(seen) or not len(values):
+        return np.zeros(len(values), dtype=bool)
+    at = np.flatnonzero(unshared)[first]  # index of each seen value's first unshared pair
+    i = np.minimum(np.searchsorted(seen, values), len(seen) - 1)
+    return (seen[i] == values) & (at[i] < before)
 
 
 def _pairs(tokens: np.ndarray) -> np.ndarray:

@@ -127,16 +127,18 @@ class RecomputeConfig(Section):
     )
     recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)
     recompute_echo_span: int = knob(
-        24,
-        "Always recomputed, on semantic loads: each aligned pair of tokens that also occurs in "
-        "the text the two prompts do not share (a question's or a name's mention in a passage; "
-        "a pair seen more than 3 times in the shared text is not one), with this many tokens "
-        "after it. The deeper layers read such a passage in the other prompt's context, which "
-        "the check layer's deviation does not show. On 6 doc-qa targets at 1K tokens "
-        "(SmolLM2-135M, offline) the reference's perplexity ratio went from 1.008-1.123 "
-        "(median 1.021) to 0.995-1.024 (median 1.011), the recompute share from 0.08-0.09 to "
-        "0.12-0.18 (docs/benchmarks.md, echoes). 0: off.",
+        0,
+        "Always recomputed, on semantic loads, where > 0: each aligned pair of tokens that "
+        "came earlier in the text the two prompts do not share (a question naming a title "
+        "that a passage names too; a pair seen more than 3 times in the shared text is not "
+        "one), with this many tokens after it. The deeper layers read such a passage in the "
+        "other prompt's context, which the check layer's deviation does not show. At 24, on 6 "
+        "doc-qa targets at 1K tokens (SmolLM2-135M, offline), the reference's perplexity "
+        "ratio went from 1.008-1.123 (median 1.021) to 0.999-1.116 (median 1.014), better on 4, "
+        "worse on 1; not yet measured end to end, so off by default (docs/benchmarks.md, "
+        "echoes). 0: off.",
         minimum=0,
+        maximum=4096,
     )
     semsharekv_hot_threshold: float = knob(
         0.55,

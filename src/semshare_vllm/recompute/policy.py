@@ -407,8 +407,8 @@ def always_recompute(
     align same tokens outside any run, down to a lone newline of another instruction."""
     loaded = np.asarray(loaded, dtype=np.int64)
     out = [loaded[-tail:]] if tail > 0 and len(loaded) else []
-    if echoes is not None and echo_span > 0 and len(echoes):
-        spans = (np.asarray(echoes, dtype=np.int64)[:, None] + np.arange(2 + echo_span)).ravel()
+    if echoes is not None and echo_span > 0 and len(echoes) and len(loaded):
+        spans = _spans(np.asarray(echoes), 2 + echo_span, int(loaded.max()) + 1)
         out.append(np.intersect1d(spans, loaded))
     if donor_pos is not None:
         donor_pos = np.asarray(donor_pos, dtype=np.int64)
@@ -423,6 +423,16 @@ def always_recompute(
             heads = (starts[:, None] + np.arange(run_head)).ravel()
             out.append(np.intersect1d(heads, loaded))
     return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
+
+
+def _spans(starts: np.ndarray, length: int, n: int) -> np.ndarray:
+    """The positions below ``n`` inside ``[s, s + length)`` for any ``s`` of ``starts`` (a
+    difference array: memory by ``n``, not by starts times length)."""
+    starts = starts[(starts >= 0) & (starts < n)].astype(np.int64)
+    edges = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, np.minimum(starts + length, n), -1)
+    return np.flatnonzero(np.cumsum(edges[:n]) > 0)
 
 
 def make_selection(

@@ -18,12 +18,13 @@ caches of the engine's layout (never the engine's cache):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from semshare_vllm.alignment import AlignParams, align
+from semshare_vllm.alignment import Alignment, AlignParams, MatchKind, align
+from semshare_vllm.config.recompute import RecomputeConfig
 from semshare_vllm.kernels import RopeTable, gather_rearrange
 from semshare_vllm.layout.paged_cache import slots_for
 from semshare_vllm.layout.specs import PageSpec
@@ -52,7 +53,11 @@ class BlendBench:
         donor: list[int],
         target: list[int],
         params: AlignParams = AlignParams(stages=("exact", "edit")),
+        prompt_len: int | None = None,
     ):
+        """``prompt_len``: the target's prompt ends there and the rest is a continuation (a
+        reference the bench scores): only the prompt is aligned, as the connector aligns a
+        served request."""
         self.model, self.layout, self.names = model, layout, layer_names
         self.donor, self.target = list(donor), list(target)
         bs = like.shape[2]
@@ -65,13 +70,27 @@ class BlendBench:
         self.blend_blocks = list(range(nd + nt, nd + 2 * nt))
         self.runner = LayerRunner(model, self.caches, layout)
         self.rope = RopeTable.from_model(model)
-        self.alignment = align(target, donor, params)
         n = len(target)
+        self.alignment = _padded(align(target[:prompt_len], donor, params), n)
         self.runner.recompute(self.donor, self.donor_blocks, np.arange(len(donor)))
         cold = self.runner.recompute(self.target, self.cold_blocks, np.arange(n), final_hidden=True)
         self.cold_hidden = cold.hidden[-1].float()
         self.cold_logits = self._logits(cold.hidden[-1:])
         self.blended = self._blend()
+
+    @classmethod
+    def on_engine(cls, worker, donor: list[int], target: list[int], **kwargs) -> "BlendBench":
+        """On an in-process engine's loaded model and KV layout (``worker``: the worker half of
+        its SemShare connector, ``testbed.offline.connector_halves``)."""
+        return cls(
+            worker.kv.repairer.runner.model,
+            worker.kv.layout,
+            worker.kv.caches[0],
+            list(worker.geometry.layer_names),
+            donor,
+            target,
+            **kwargs,
+        )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)[0].float()
@@ -106,7 +125,12 @@ class BlendBench:
         )
         return {name: c.clone() for name, c in self.caches.items()}
 
-    def always(self, run_head: int = 4, tail: int = 8, echo_span: int = 24) -> np.ndarray:
+    def always(
+        self,
+        run_head: int = 4,
+        tail: int = 8,
+        echo_span: int = RecomputeConfig.recompute_echo_span,
+    ) -> np.ndarray:
         """What the connector would always recompute when claiming all but the last token."""
         plan = plan_claim(None, self.alignment, 0, len(self.target) - 1, run_head, tail, echo_span)
         return np.asarray(plan.always, dtype=np.int64)
@@ -160,3 +184,15 @@ class BlendBench:
             bool(logits.argmax() == self.cold_logits.argmax()),
             seconds,
         )
+
+
+def _padded(al: Alignment, n: int) -> Alignment:
+    """``al`` over ``n`` target positions, those past it unaligned."""
+    extra = n - len(al.donor_pos)
+    if extra <= 0:
+        return al
+    return replace(
+        al,
+        donor_pos=np.concatenate([al.donor_pos, np.full(extra, -1, dtype=np.int64)]),
+        kind=np.concatenate([al.kind, np.full(extra, MatchKind.NONE, dtype=al.kind.dtype)]),
+    )

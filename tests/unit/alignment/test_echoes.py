@@ -65,3 +65,48 @@ def test_the_plan_recomputes_echoes_only_with_a_span():
     echoed = set(range(at_t, at_t + 8)) | set(range(at_d, at_d + 8))
     assert echoed <= with_span and not (echoed & without)
     assert with_span - without == echoed
+
+
+def test_only_what_came_before_a_token_makes_it_an_echo():
+    """A token's KV reads only what precedes it: a mention that comes after, in the target or
+    in the donor (its own answer copying a passage), changes nothing there."""
+    a, b = tokens(80, 20), tokens(80, 21)
+    target = tokens(10, 22) + a + ENTITY_T + b + tokens(6, 23) + ENTITY_T
+    donor = tokens(10, 24) + a + ENTITY_T + b + tokens(6, 25) + ENTITY_D + ENTITY_T
+    al = align(target, donor, AlignParams(stages=("exact",)))
+    assert al.donor_pos[10 + len(a)] >= 0
+    assert len(al.echoes) == 0
+
+
+def test_the_donor_s_entity_counts_when_another_stage_pairs_it_with_the_target_s():
+    """The edit stage may align the donor question's entity to the target's (another token):
+    the donor's mention is still text the target does not share."""
+    a = tokens(80, 30)
+    question = tokens(6, 31)
+    target = question + ENTITY_T + tokens(4, 32) + a + ENTITY_D + tokens(80, 33)
+    donor = question + ENTITY_D + tokens(4, 32) + a + ENTITY_D + tokens(80, 33)
+    al = align(target, donor, AlignParams(stages=("exact", "edit")))
+    at = len(question) + 2 + 4 + len(a)
+    assert al.donor_pos[at] >= 0
+    assert at in set(al.echoes)
+
+
+def test_a_pair_repeated_more_than_max_repeats_times_is_common_text():
+    def echoes(repeats):
+        body = []
+        for i in range(repeats):
+            body += tokens(30, 40 + i) + ENTITY_T
+        target = tokens(5, 50) + ENTITY_T + tokens(3, 51) + body
+        donor = tokens(5, 52) + tokens(3, 53) + body
+        return align(target, donor, AlignParams(stages=("exact",))).echoes
+
+    assert len(echoes(MAX_REPEATS)) == MAX_REPEATS
+    assert len(echoes(MAX_REPEATS + 1)) == 0
+
+
+def test_echo_spans_overlap_and_clip_to_the_load():
+    got = always_recompute(np.arange(5, 30), None, None, 0, 0, np.array([2, 8, 10, 40]), 3)
+    # [2, 7) -> 5, 6; [8, 13) and [10, 15) -> 8..14; 40 lies past the load
+    assert list(got) == [5, 6, *range(8, 15)]
+    big = always_recompute(np.arange(100), None, None, 0, 0, np.arange(0, 100, 7), 4096)
+    assert list(big) == list(range(100))
