@@ -400,7 +400,7 @@ def always_recompute(
     donor token (measured as no better than a random token's KV), the first ``run_head`` tokens
     of every stretch aligned to consecutive donor positions (they attended to other tokens in
     the donor), the last ``tail`` loaded positions, and where ``echo_span`` > 0, each echo
-    (``alignment.echoes``: the start of a pair of tokens that also occurs in the text the
+    (``alignment.echoes``: the start of a pair of tokens that came earlier in the text the
     prompts do not share) with its pair and the ``echo_span`` tokens after it (the deeper
     layers read that passage in the other prompt's context). A stretch is read from
     ``donor_pos`` itself, not from the exact stage's runs: the edit, sentence and LSH stages
