@@ -109,6 +109,7 @@ class SemShareConnector(KVConnectorBase_V1):
                     vllm_config.model_config.model,
                     vllm_config.model_config.tokenizer,
                     self.config.embedding_sketch_dim,
+                    echoes=self.config.recompute_echo_span > 0,
                 )
             )
             # exact_only: no LMCache tier on the worker, so shared donors could not be fetched;

@@ -8,10 +8,9 @@
 4. lsh: whatever is left goes to its nearest donor token by SemShareKV's LSH on RoPE-rotated
    input embeddings, if near enough.
 
-Each stage only fills positions the earlier ones left free. The result also names the aligned
-tokens that echo the text the prompts do not share (``echoes.py``), for the recompute. Stages 3-4
-need the model's input embeddings (``EmbeddingTable``) and stage 3 a ``SentenceSplitter``;
-without them those stages are skipped. ``stages=("lsh",)`` is the paper's matching alone.
+Each stage only fills positions the earlier ones left free. Stages 3-4 need the model's input
+embeddings (``EmbeddingTable``) and stage 3 a ``SentenceSplitter``; without them those stages
+are skipped. ``stages=("lsh",)`` is the paper's matching alone.
 
 What depends on the donor alone (its LSH codes, its sentences and their vectors) is a
 ``DonorFeatures``: computed on first use, and worth keeping with the donor, so that a hit pays
@@ -21,12 +20,11 @@ only for the target's side.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from semshare_vllm.alignment.echoes import echo_starts
 from semshare_vllm.alignment.edits import edit_stage
 from semshare_vllm.alignment.embedding_table import EmbeddingTable
 from semshare_vllm.alignment.exact_runs import MIN_RUN, align_exact
@@ -144,5 +142,4 @@ def align(
             )
         elif stage == "lsh" and table is not None:
             lsh_stage(builder, t, d, table, params.lsh, donor.codes)
-    result = builder.build()
-    return replace(result, echoes=echo_starts(t, d, result.donor_pos, result.kind))
+    return builder.build()

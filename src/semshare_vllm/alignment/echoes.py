@@ -9,14 +9,17 @@ ranked them past the first 15% of tokens, and the held-out reference's perplexit
 1.07-1.12x cold's until they were recomputed (docs/benchmarks.md, echoes). A token pair that
 came earlier in the unshared text is a cheap trace of that link (a token's KV reads only what
 precedes it): the tokens an echo starts are recomputed with those after it
-(``recompute_echo_span``), in every layer, by the recompute policy.
+(``recompute_echo_span``), in every layer, by the recompute policy. Only the chosen donor's
+alignment gets its echoes (``with_echoes``), and only when that knob is on.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from semshare_vllm.alignment.result import MatchKind
+from semshare_vllm.alignment.result import Alignment, MatchKind
 
 # A pair seen more often than this among the shared tokens is common text ("of the"), not the
 # mention of one thing.
@@ -51,6 +54,11 @@ def echo_starts(
     in_target = _first_before(t_pairs, ~shared, v, candidates)
     in_donor = _first_before(d_pairs, ~d_shared, v, donor_pos[candidates])
     return candidates[in_target | in_donor] if len(candidates) else none
+
+
+def with_echoes(al: Alignment, target, donor) -> Alignment:
+    """``al`` with its ``echoes`` set (``echo_starts`` of the two prompts' tokens)."""
+    return replace(al, echoes=echo_starts(target, donor, al.donor_pos, al.kind))
 
 
 def _first_before(

@@ -34,7 +34,8 @@ class Alignment:
     runs: tuple[Run, ...]  # the token-identical runs used, in target order
     # Positions each stage aligned, by stage name ("exact", "edit", "sentence", "lsh").
     stage_counts: dict[str, int] = field(default_factory=dict)
-    # Target positions starting an echo of the text the prompts do not share (echoes.py).
+    # Target positions starting an echo of the text the prompts do not share: set only on the
+    # chosen donor's alignment, when the recompute asks for them (echoes.with_echoes).
     echoes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property

@@ -31,6 +31,7 @@ from semshare_vllm.alignment import (
     MatchKind,
     SentenceSplitter,
     align,
+    with_echoes,
 )
 from semshare_vllm.recompute.policy import always_recompute
 
@@ -79,8 +80,10 @@ class Aligner:
         model_path: str | None,
         tokenizer_path: str | None,
         sketch_dim: int = -1,
+        echoes: bool = False,
     ):
         self.params = params
+        self.echoes = echoes  # the winner's echoes, for recompute_echo_span > 0
         self._model_path, self._tokenizer_path = model_path, tokenizer_path
         self._sketch = sketch_dim
         self._loaded = False
@@ -147,15 +150,19 @@ class Aligner:
     def best(
         self, target: list[int], start: int, donors: list[tuple[Hashable, list[int]]]
     ) -> tuple[Hashable, Alignment] | None:
-        """The donor whose alignment covers most of ``target[start:-1]``."""
+        """The donor whose alignment covers most of ``target[start:-1]`` (with its echoes, if
+        asked for: for the winner only)."""
         self._load()
         best, best_cov = None, -1.0
         for key, tokens in donors:
             al = align(target, self._features(key, tokens), self.params, self.table, self.splitter)
             cov = coverage(al, start, len(target) - 1)
             if cov > best_cov:
-                best, best_cov = (key, al), cov
-        return best
+                best, best_cov = (key, al, tokens), cov
+        if best is None:
+            return None
+        key, al, tokens = best
+        return key, with_echoes(al, target, tokens) if self.echoes else al
 
 
 def plan_claim(

@@ -58,6 +58,18 @@ def reuse_limit(request) -> int | None:
     return limit
 
 
+def reusable_prompt(request) -> list[int]:
+    """The prompt tokens a donor is searched and aligned for: the whole prompt, or with a reuse
+    limit N its first N + 1, the prompt as if it ended there (vLLM computes token N itself). A
+    request scoring a continuation (prompt + continuation, the limit at the prompt's end) is
+    then planned exactly as its prompt served alone, never on the continuation's text."""
+    n = request.num_prompt_tokens
+    limit = reuse_limit(request)
+    if limit is not None:
+        n = min(n, limit + 1)
+    return list(request.all_token_ids[:n])
+
+
 def wants_prompt_logprobs(request) -> bool:
     params = getattr(request, "sampling_params", None)
     return getattr(params, "prompt_logprobs", None) is not None

@@ -21,7 +21,12 @@ from semshare_vllm.core.identity import keyable, namespace_of, semantic_allowed
 from semshare_vllm.discovery.service import DiscoveryService, Lookup
 from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.planner import Aligner, SemanticPlan, coverage, plan_claim
-from semshare_vllm.scheduler.request_params import claim_limit, reuse_limit, reuse_mode
+from semshare_vllm.scheduler.request_params import (
+    claim_limit,
+    reusable_prompt,
+    reuse_limit,
+    reuse_mode,
+)
 from semshare_vllm.scheduler.request_state import DiscoveryJob, RequestState, SemanticMatch
 
 WAIT = object()  # "ask again next step": the request's job is still running
@@ -61,7 +66,7 @@ class SemanticSearch:
         namespace = namespace_of(request)
         if not d.index.has_donors(namespace):
             return  # nothing to find: never make a request wait for an empty namespace
-        tokens = list(request.all_token_ids[: request.num_prompt_tokens])
+        tokens = reusable_prompt(request)
         exact = self.catalog.index.longest_prefix(namespace, tokens)
         if exact is not None and exact.num_tokens >= claim_limit(request, self.block_size):
             return  # an exact donor already covers all we could claim: no search to pay for
@@ -186,7 +191,7 @@ class SemanticSearch:
             ]
             if not donors:
                 return None
-            target = list(request.all_token_ids[: request.num_prompt_tokens])
+            target = reusable_prompt(request)
             aligner = self.aligner
             state.job = DiscoveryJob(
                 "align", self.discovery.run(lambda: aligner.best(target, num_computed, donors))

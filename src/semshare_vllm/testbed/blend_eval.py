@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from semshare_vllm.alignment import Alignment, AlignParams, MatchKind, align
+from semshare_vllm.alignment import Alignment, AlignParams, MatchKind, align, with_echoes
 from semshare_vllm.config.recompute import RecomputeConfig
 from semshare_vllm.kernels import RopeTable, gather_rearrange
 from semshare_vllm.layout.paged_cache import slots_for
@@ -71,7 +71,8 @@ class BlendBench:
         self.runner = LayerRunner(model, self.caches, layout)
         self.rope = RopeTable.from_model(model)
         n = len(target)
-        self.alignment = _padded(align(target[:prompt_len], donor, params), n)
+        head = target[:prompt_len]
+        self.alignment = _padded(with_echoes(align(head, donor, params), head, donor), n)
         self.runner.recompute(self.donor, self.donor_blocks, np.arange(len(donor)))
         cold = self.runner.recompute(self.target, self.cold_blocks, np.arange(n), final_hidden=True)
         self.cold_hidden = cold.hidden[-1].float()

@@ -4,10 +4,10 @@
 import numpy as np
 from support.tokens import random_id_list as tokens
 
-from semshare_vllm.alignment import AlignParams, align
+from semshare_vllm.alignment import AlignParams, align, with_echoes
 from semshare_vllm.alignment.echoes import MAX_REPEATS, echo_starts
 from semshare_vllm.recompute.policy import always_recompute
-from semshare_vllm.scheduler.planner import plan_claim
+from semshare_vllm.scheduler.planner import Aligner, plan_claim
 
 ENTITY_T, ENTITY_D = [7001, 7002], [8001, 8002]  # what each prompt's question names
 COMMON = [9001, 9002]  # a pair the passages use often
@@ -25,7 +25,7 @@ def prompts():
 
 def test_the_passages_naming_either_question_s_entity_are_echoes():
     target, donor, at_t, at_d = prompts()
-    al = align(target, donor, AlignParams(stages=("exact",)))
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
     assert al.donor_pos[at_t] >= 0 and al.donor_pos[at_d] >= 0  # the passages are shared
     # the target's entity echoes its own question; the donor's echoes the donor's question
     assert list(al.echoes) == [at_t, at_d]
@@ -38,13 +38,13 @@ def test_a_pair_common_in_the_shared_text_is_no_echo():
     target, donor, at_t, at_d = prompts()
     # the donor's question now also holds the common pair: it stays common, not an echo
     donor = donor[:5] + COMMON + donor[5:]
-    al = align(target, donor, AlignParams(stages=("exact",)))
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
     assert set(al.echoes) == {at_t, at_d}
 
 
 def test_identical_prompts_have_no_echo_and_short_ones_none_either():
     t = tokens(200, 9)
-    assert len(align(t, t, AlignParams(stages=("exact",))).echoes) == 0
+    assert len(with_echoes(align(t, t, AlignParams(stages=("exact",))), t, t).echoes) == 0
     one = np.array([5])
     assert len(echo_starts(one, one, np.array([0]), np.array([1], dtype=np.int8))) == 0
 
@@ -58,7 +58,7 @@ def test_an_echo_and_the_span_after_it_are_always_recomputed_within_the_load():
 
 def test_the_plan_recomputes_echoes_only_with_a_span():
     target, donor, at_t, at_d = prompts()
-    al = align(target, donor, AlignParams(stages=("exact",)))
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
     end = len(target) - 1
     with_span = set(plan_claim("k", al, 0, end, 4, 1, echo_span=6).always)
     without = set(plan_claim("k", al, 0, end, 4, 1).always)
@@ -73,7 +73,7 @@ def test_only_what_came_before_a_token_makes_it_an_echo():
     a, b = tokens(80, 20), tokens(80, 21)
     target = tokens(10, 22) + a + ENTITY_T + b + tokens(6, 23) + ENTITY_T
     donor = tokens(10, 24) + a + ENTITY_T + b + tokens(6, 25) + ENTITY_D + ENTITY_T
-    al = align(target, donor, AlignParams(stages=("exact",)))
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
     assert al.donor_pos[10 + len(a)] >= 0
     assert len(al.echoes) == 0
 
@@ -85,7 +85,7 @@ def test_the_donor_s_entity_counts_when_another_stage_pairs_it_with_the_target_s
     question = tokens(6, 31)
     target = question + ENTITY_T + tokens(4, 32) + a + ENTITY_D + tokens(80, 33)
     donor = question + ENTITY_D + tokens(4, 32) + a + ENTITY_D + tokens(80, 33)
-    al = align(target, donor, AlignParams(stages=("exact", "edit")))
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact", "edit"))), target, donor)
     at = len(question) + 2 + 4 + len(a)
     assert al.donor_pos[at] >= 0
     assert at in set(al.echoes)
@@ -98,10 +98,26 @@ def test_a_pair_repeated_more_than_max_repeats_times_is_common_text():
             body += tokens(30, 40 + i) + ENTITY_T
         target = tokens(5, 50) + ENTITY_T + tokens(3, 51) + body
         donor = tokens(5, 52) + tokens(3, 53) + body
-        return align(target, donor, AlignParams(stages=("exact",))).echoes
+        return with_echoes(
+            align(target, donor, AlignParams(stages=("exact",))), target, donor
+        ).echoes
 
     assert len(echoes(MAX_REPEATS)) == MAX_REPEATS
     assert len(echoes(MAX_REPEATS + 1)) == 0
+
+
+def test_only_the_chosen_donor_gets_its_echoes_and_only_when_the_span_is_on():
+    """Echoes cost milliseconds at 8K tokens per donor: the aligner marks them on the winner
+    alone, and not at all with ``recompute_echo_span`` 0 (the default)."""
+    target, donor, at_t, at_d = prompts()
+    other = tokens(len(donor), 60)
+    off = Aligner(AlignParams(stages=("exact",)), None, None)
+    on = Aligner(AlignParams(stages=("exact",)), None, None, echoes=True)
+    assert len(align(target, donor, AlignParams(stages=("exact",))).echoes) == 0
+    assert off.best(target, 0, [("o", other), ("d", donor)])[0] == "d"
+    assert len(off.best(target, 0, [("d", donor)])[1].echoes) == 0
+    key, al = on.best(target, 0, [("o", other), ("d", donor)])
+    assert key == "d" and list(al.echoes) == [at_t, at_d]
 
 
 def test_echo_spans_overlap_and_clip_to_the_load():

@@ -685,3 +685,40 @@ def test_a_donor_that_gets_no_embedding_still_calls_its_on_drop():
         assert sorted(ended) == ["dropped", "gone"]
     finally:
         service.close()
+
+
+def test_a_scored_continuation_is_searched_and_aligned_as_the_prompt_it_continues():
+    """Review (the bench's reference scoring): a request scoring a continuation sends prompt +
+    continuation with ``semshare_reuse_limit`` at the prompt's end, and was searched and aligned
+    on all of it, so its donor and alignment could differ from those of the prompt served
+    alone, and the continuation (the reference answer) counted as text of the prompt. Both are
+    planned on the prompt up to the limit now: the scored request gets the served one's plan."""
+    from types import SimpleNamespace
+
+    from semshare_vllm.alignment import AlignParams
+    from semshare_vllm.scheduler.planner import Aligner
+
+    s, _ = scheduler()
+    s.search.aligner = Aligner(AlignParams(stages=("exact",)), None, None)
+    s.recompute_ready = True
+    other = list(range(1000, 1600))  # another donor, and the scored request's continuation
+    finish(s, DOC)
+    finish(s, other)
+    settle(s)
+    head = [7, 8, 9] * 5 + DOC[:190]
+
+    def plan_of(req_id, tokens, params=None):
+        req = request(req_id, tokens)
+        req._block_hasher, req.block_hashes = None, []  # (vLLM's: none, none cached)
+        req.kv_transfer_params = params
+        if params is not None:
+            req.sampling_params = SimpleNamespace(prompt_logprobs=0)
+            req.skip_reading_prefix_cache = True
+        s.on_new_request(req)
+        assert ask(s, req)[-1][0] > 0
+        return s.requests[req_id].offer
+
+    served = plan_of("served", head)
+    scored = plan_of("scored", head + other, {"semshare_reuse_limit": len(head) - 1})
+    assert (scored.key, scored.start, scored.end) == (served.key, served.start, served.end)
+    assert scored.donor_pos == served.donor_pos and scored.always == served.always
