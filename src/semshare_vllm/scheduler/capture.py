@@ -10,7 +10,7 @@ from semshare_vllm.core.identity import keyable, namespace_of
 from semshare_vllm.core.keys import DonorKey, block_hashes, donor_id_for
 from semshare_vllm.layout.geometry import KVGeometry
 from semshare_vllm.metadata import CaptureSpec
-from semshare_vllm.scheduler.request_params import reuse_mode
+from semshare_vllm.scheduler.request_params import reuse_limit, reuse_mode
 
 
 def donor_for(
@@ -27,6 +27,9 @@ def donor_for(
     # The KV of the last token is never computed (it was just sampled); with async scheduling
     # num_computed_tokens may already count it.
     n = min(request.num_computed_tokens, request.num_tokens - 1)
+    limit = reuse_limit(request)
+    if limit is not None:  # the prompt as if it ended there, as it was searched and aligned
+        n = min(n, limit + 1)
     if n < config.min_donor_tokens:
         return None
     namespace = namespace_of(request)

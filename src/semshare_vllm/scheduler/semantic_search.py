@@ -67,6 +67,8 @@ class SemanticSearch:
         if not d.index.has_donors(namespace):
             return  # nothing to find: never make a request wait for an empty namespace
         tokens = reusable_prompt(request)
+        if len(tokens) < self.config.min_reuse_tokens:
+            return  # its reuse limit leaves too little to claim
         exact = self.catalog.index.longest_prefix(namespace, tokens)
         if exact is not None and exact.num_tokens >= claim_limit(request, self.block_size):
             return  # an exact donor already covers all we could claim: no search to pay for
@@ -147,6 +149,12 @@ class SemanticSearch:
             or not semantic_allowed(request)
         ):
             return None
+        end = request.num_prompt_tokens - 1  # vLLM computes the last prompt token
+        limit = reuse_limit(request)
+        if limit is not None:
+            end = min(end, limit)
+        if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
+            return None  # (before the alignment: no need to wait for it)
         if state.aligned is None:
             waiting = self._align(request, state, num_computed)
             if waiting is not False:
@@ -156,12 +164,6 @@ class SemanticSearch:
         record = index.get(key)
         if record is None or record.demoted or key.namespace != namespace_of(request):
             state.aligned = None
-            return None
-        end = request.num_prompt_tokens - 1  # vLLM computes the last prompt token
-        limit = reuse_limit(request)
-        if limit is not None:
-            end = min(end, limit)
-        if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
             return None
         if (
             coverage(al, num_computed, end) < self.config.min_alignment_coverage

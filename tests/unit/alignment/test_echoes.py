@@ -106,9 +106,14 @@ def test_a_pair_repeated_more_than_max_repeats_times_is_common_text():
     assert len(echoes(MAX_REPEATS + 1)) == 0
 
 
-def test_only_the_chosen_donor_gets_its_echoes_and_only_when_the_span_is_on():
+def test_only_the_chosen_donor_gets_its_echoes_and_only_when_the_span_is_on(monkeypatch):
     """Echoes cost milliseconds at 8K tokens per donor: the aligner marks them on the winner
     alone, and not at all with ``recompute_echo_span`` 0 (the default)."""
+    from semshare_vllm.alignment import echoes
+
+    calls = []
+    counted = echoes.echo_starts
+    monkeypatch.setattr(echoes, "echo_starts", lambda *a: calls.append(1) or counted(*a))
     target, donor, at_t, at_d = prompts()
     other = tokens(len(donor), 60)
     off = Aligner(AlignParams(stages=("exact",)), None, None)
@@ -116,8 +121,9 @@ def test_only_the_chosen_donor_gets_its_echoes_and_only_when_the_span_is_on():
     assert len(align(target, donor, AlignParams(stages=("exact",))).echoes) == 0
     assert off.best(target, 0, [("o", other), ("d", donor)])[0] == "d"
     assert len(off.best(target, 0, [("d", donor)])[1].echoes) == 0
+    assert not calls
     key, al = on.best(target, 0, [("o", other), ("d", donor)])
-    assert key == "d" and list(al.echoes) == [at_t, at_d]
+    assert key == "d" and list(al.echoes) == [at_t, at_d] and len(calls) == 1
 
 
 def test_echo_spans_overlap_and_clip_to_the_load():

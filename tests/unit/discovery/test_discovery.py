@@ -718,7 +718,26 @@ def test_a_scored_continuation_is_searched_and_aligned_as_the_prompt_it_continue
         assert ask(s, req)[-1][0] > 0
         return s.requests[req_id].offer
 
+    searched, aligned = [], []
+    lookup, best = s.discovery.lookup, s.search.aligner.best
+    s.discovery.lookup = lambda ns, tokens: searched.append(tokens) or lookup(ns, tokens)
+    s.search.aligner.best = lambda t, start, donors: aligned.append(t) or best(t, start, donors)
     served = plan_of("served", head)
     scored = plan_of("scored", head + other, {"semshare_reuse_limit": len(head) - 1})
+    assert searched == [head, head] and aligned == [head, head]
     assert (scored.key, scored.start, scored.end) == (served.key, served.start, served.end)
     assert scored.donor_pos == served.donor_pos and scored.always == served.always
+
+
+def test_a_reuse_limit_below_the_minimum_is_not_searched_for():
+    """Review: the minimum was checked on the whole prompt, so a request whose reuse limit
+    left less than ``min_reuse_tokens`` to claim was searched for and waited for its search,
+    for a plan it could never get (its prompt alone is not searched for)."""
+    s, _ = scheduler(min_reuse_tokens=100)
+    finish(s, DOC)
+    settle(s)
+    limited = request("t", [7, 8, 9] * 5 + DOC[:150])  # no common prefix
+    limited.kv_transfer_params = {"semshare_reuse_limit": 70}
+    s.on_new_request(limited)
+    assert s.get_num_new_matched_tokens(limited, 0) == (0, False)
+    assert "semantic_lookups" not in s.stats.totals

@@ -200,6 +200,21 @@ def test_prompt_logprobs_requests_are_served_only_up_to_their_reuse_limit():
     assert s.get_num_new_matched_tokens(short, 0) == (160, False)
 
 
+def test_a_request_with_a_reuse_limit_makes_a_donor_of_its_prompt_up_to_the_limit():
+    """Review: a request scoring a continuation (prompt + continuation, the limit at the
+    prompt's end) was kept as a donor of all of it, so later prompts found and aligned the
+    continuation (the bench's reference answer). Its donor is the prompt as if it ended at
+    the limit, as it is searched and aligned."""
+    s = SemShareScheduler(SemShareConfig(), geometry())
+    prompt = list(range(300, 500))
+    scored = scoring_request("s", prompt + list(range(900, 960)), len(prompt) - 1)
+    scored.num_computed_tokens = scored.num_tokens
+    s.request_finished(scored, list(range(100, 110)))
+    (capture,) = s.build_connector_meta(None).captures
+    assert capture.token_ids == prompt
+    assert s.index.get(capture.key).num_prompt_tokens == len(prompt)
+
+
 class FakeFeed:
     """Stands in for ``SharedDonorFeed`` (its own tests run on a real redis-server); counts, as
     the real one does, into the recorder it is handed."""
