@@ -63,10 +63,13 @@ def model_and_prompts(tmp_path):
 AS_USERS_RUN = {"enable_prefix_caching": True, "block_size": None}
 
 
+# As users run, only with the old mtime kept: a new mtime is no case of its own (a rewrite moves
+# the ctime either way, and a new ctime alone has the weights' digest read again, as the
+# same-mtime case shows); it cost CI two minutes.
 @pytest.mark.parametrize(
     "engine_args, keep_mtime",
-    [({}, False), (AS_USERS_RUN, False), (AS_USERS_RUN, True)],
-    ids=["isolating", "as-users-run", "as-users-run-same-mtime"],
+    [({}, False), (AS_USERS_RUN, True)],
+    ids=["isolating", "as-users-run-same-mtime"],
 )
 def test_donors_persisted_under_other_weights_are_not_restored(tmp_path, engine_args, keep_mtime):
     """Also when the new checkpoint keeps the old one's mtime: before, the weights were known by
