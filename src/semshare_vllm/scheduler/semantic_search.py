@@ -154,7 +154,12 @@ class SemanticSearch:
         if limit is not None:
             end = min(end, limit)
         if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
-            return None  # (before the alignment: no need to wait for it)
+            # Nothing to wait for: an alignment started for a larger claim is dropped (its
+            # wait counted once); the donors found stay for a later ask (after a preemption).
+            if state.job is not None and state.job.kind == "align":
+                state.align_wait_ms += state.job.held_ms()
+                state.drop_job()
+            return None
         if state.aligned is None:
             waiting = self._align(request, state, num_computed)
             if waiting is not False:

@@ -741,3 +741,42 @@ def test_a_reuse_limit_below_the_minimum_is_not_searched_for():
     s.on_new_request(limited)
     assert s.get_num_new_matched_tokens(limited, 0) == (0, False)
     assert "semantic_lookups" not in s.stats.totals
+
+
+def test_an_alignment_left_for_a_claim_that_shrank_is_dropped_and_its_wait_counted():
+    """Review: ``plan`` checks what is left to claim before it waits for an alignment, and
+    returned with the alignment still running when that had shrunk meanwhile (vLLM's own
+    prefix-cache hit grew): the job ran on for nothing, and an ask after a preemption took it
+    up with the whole time since counted as the request's wait. It is dropped there, its wait
+    counted once, and the donors found are kept for a later ask."""
+    from semshare_vllm.alignment import AlignParams
+    from semshare_vllm.scheduler.planner import Aligner
+
+    s, _ = scheduler()
+    aligner = Aligner(AlignParams(stages=("exact",)), None, None)
+    gate = threading.Event()
+    best = aligner.best
+    aligner.best = lambda *a: gate.wait(10) and best(*a)
+    s.search.aligner = aligner
+    s.recompute_ready = True
+    finish(s, DOC)
+    settle(s)
+    target = request("t", [7, 8, 9] * 5 + DOC[:190])
+    target._block_hasher, target.block_hashes = None, []
+    s.on_new_request(target)
+    state = s.requests["t"]
+    deadline = time.monotonic() + 10
+    while (state.job is None or state.job.kind != "align") and time.monotonic() < deadline:
+        assert s.get_num_new_matched_tokens(target, 0) == (None, False)  # search, then align
+        time.sleep(0.005)
+    job = state.job
+    assert job.kind == "align"
+    assert s.get_num_new_matched_tokens(target, 192) == (0, False)  # 12 tokens left: no claim
+    assert state.job is None and state.found is not None
+    waited = state.align_wait_ms
+    assert 0 < waited < 5000
+    gate.set()
+    time.sleep(1.0)  # the request runs, is preempted
+    assert ask(s, target)[-1][0] > 0  # asked again from 0: a fresh alignment, and a claim
+    assert state.align_wait_ms - waited < 1000  # its own wait, not the second it ran
+    assert job.future.done()  # (the dropped one ended on its own)
