@@ -63,11 +63,14 @@ def reusable_prompt(request) -> list[int]:
     limit N its first N + 1, the prompt as if it ended there (vLLM computes token N itself). A
     request scoring a continuation (prompt + continuation, the limit at the prompt's end) is
     then planned exactly as its prompt served alone, never on the continuation's text."""
-    n = request.num_prompt_tokens
+    return list(request.all_token_ids[: reusable_length(request)])
+
+
+def reusable_length(request) -> int:
+    """How many tokens ``reusable_prompt`` holds."""
     limit = reuse_limit(request)
-    if limit is not None:
-        n = min(n, limit + 1)
-    return list(request.all_token_ids[:n])
+    n = request.num_prompt_tokens
+    return n if limit is None else min(n, limit + 1)
 
 
 def wants_prompt_logprobs(request) -> bool:

@@ -23,8 +23,8 @@ from semshare_vllm.scheduler.donor_catalog import DonorCatalog
 from semshare_vllm.scheduler.planner import Aligner, SemanticPlan, coverage, plan_claim
 from semshare_vllm.scheduler.request_params import (
     claim_limit,
+    reusable_length,
     reusable_prompt,
-    reuse_limit,
     reuse_mode,
 )
 from semshare_vllm.scheduler.request_state import DiscoveryJob, RequestState, SemanticMatch
@@ -149,10 +149,7 @@ class SemanticSearch:
             or not semantic_allowed(request)
         ):
             return None
-        end = request.num_prompt_tokens - 1  # vLLM computes the last prompt token
-        limit = reuse_limit(request)
-        if limit is not None:
-            end = min(end, limit)
+        end = reusable_length(request) - 1  # vLLM computes the last token of it
         if end - num_computed <= max(exact_claim, self.config.min_reuse_tokens - 1):
             # Nothing to wait for: an alignment started for a larger claim is dropped (its
             # wait counted once); the donors found stay for a later ask (after a preemption).
