@@ -127,18 +127,17 @@ class RecomputeConfig(Section):
     )
     recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)
     recompute_echo_span: int = knob(
-        0,
+        24,
         "Always recomputed, on semantic loads, where > 0: each aligned pair of tokens that "
         "came earlier in the text the two prompts do not share (a question naming a title "
         "that a passage names too; a pair seen more than 3 times in the shared text is not "
         "one), with this many tokens after it. The deeper layers read such a passage in the "
-        "other prompt's context, which the check layer's deviation does not show. At 24, on 6 "
-        "doc-qa targets at 1K tokens (SmolLM2-135M, offline), the reference's perplexity "
-        "ratio went from 1.008-1.123 (median 1.021) to 0.999-1.116 (median 1.014), better on 4, "
-        "worse on 1. End to end at 1K (semshare-bench, 18 targets) the pooled ratio of doc-qa "
-        "hits went from 1.026 to 1.010 and of rag-qa from 1.055 to 1.026, but one entity-swap "
-        "hit answered wrong where it answered right without: off by default "
-        "(docs/benchmarks.md, echoes). 0: off.",
+        "other prompt's context, which the check layer's deviation does not show. End to end "
+        "(semshare-bench, six workloads at 1K and 2K tokens, 48 targets, SmolLM2-135M), 24 "
+        "against 0: the pooled perplexity ratio of doc-qa hits (1K / 2K) went from 1.026 / "
+        "1.027 to 1.010 / 1.008, of rag-qa from 1.055 / 1.003 to 1.026 / 0.980, the gate "
+        "declined 4 loads instead of 7, and the share of doc-qa hits rose from 0.08-0.09 to "
+        "0.12-0.15 (docs/benchmarks.md, echoes). 0: off.",
         minimum=0,
         maximum=4096,
     )

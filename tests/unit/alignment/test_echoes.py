@@ -108,7 +108,7 @@ def test_a_pair_repeated_more_than_max_repeats_times_is_common_text():
 
 def test_only_the_chosen_donor_gets_its_echoes_and_only_when_the_span_is_on(monkeypatch):
     """Echoes cost milliseconds at 8K tokens per donor: the aligner marks them on the winner
-    alone, and not at all with ``recompute_echo_span`` 0 (the default)."""
+    alone, and not at all with ``recompute_echo_span`` 0 (off)."""
     from semshare_vllm.alignment import echoes
 
     calls = []
