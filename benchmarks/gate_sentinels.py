@@ -91,8 +91,14 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--draws", type=int, default=500)
     ap.add_argument("--aims", default="8,10,12,16", help="check-layer aims to compare")
-    args = ap.parse_args()
     cfg = SemShareConfig()
+    ap.add_argument(
+        "--echo-span",
+        type=int,
+        default=cfg.recompute_echo_span,
+        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
+    )
+    args = ap.parse_args()
     bound = cfg.recompute_error_bound
     tok = models.smollm2_tokenizer()
     _, worker = engine()
@@ -122,7 +128,7 @@ def main() -> None:
                 n = len(t_ids)
                 selection = _Population(
                     np.arange(n),
-                    np.union1d(bench.always(), [n - 1]),
+                    np.union1d(bench.always(echo_span=args.echo_span), [n - 1]),
                     bound=bound,
                     check_layer=cfg.recompute_check_layer,
                     gate_layer=cfg.recompute_gate_layer,

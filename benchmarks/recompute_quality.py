@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from semshare_vllm.config.recompute import RecomputeConfig
 from semshare_vllm.recompute.policy import Adaptive, CacheBlend, Fixed, SemShareKV
 from semshare_vllm.testbed import models, offline
 from semshare_vllm.testbed import pairs as P
@@ -52,10 +53,10 @@ def bench_for(worker, donor, target) -> BlendBench:
     return BlendBench.on_engine(worker, donor, target)
 
 
-def policies(bench: BlendBench):
+def policies(bench: BlendBench, echo_span: int):
     n = len(bench.target)
     every = np.arange(n)
-    always = np.union1d(bench.always(), [n - 1])
+    always = np.union1d(bench.always(echo_span=echo_span), [n - 1])
     yield "reuse only (last token)", Fixed([n - 1])
     yield "always-set only", Fixed(always)
     for r in RATIOS:
@@ -65,7 +66,7 @@ def policies(bench: BlendBench):
         yield f"adaptive bound={bound}", Adaptive(every, always, bound=bound, gate_layer=8)
 
 
-def quality(worker, tok, n_pairs: int) -> None:
+def quality(worker, tok, n_pairs: int, echo_span: int) -> None:
     pairs, _ = P.build(n_pairs, seed=4)
     cases = [
         (P.group_of(p), p)
@@ -86,7 +87,7 @@ def quality(worker, tok, n_pairs: int) -> None:
     for _, pair in cases:
         donor, target = tok(pair.donor)["input_ids"], tok(pair.target)["input_ids"]
         bench = bench_for(worker, donor, target)
-        for name, selection in policies(bench):
+        for name, selection in policies(bench, echo_span):
             o = bench.evaluate(name, selection)
             rows.setdefault(name, []).append(
                 (o.recomputed, o.hidden_error, o.logit_error, o.same_top1, selection.escalations)
@@ -109,7 +110,7 @@ def quality(worker, tok, n_pairs: int) -> None:
         )
 
 
-def speed(llm, worker, tok, n_tokens: int, repeats: int) -> None:
+def speed(llm, worker, tok, n_tokens: int, repeats: int, echo_span: int) -> None:
     """Cold prefills and repairs interleaved, so that both see the same machine load (these
     shared cores drift by tens of percent within minutes)."""
 
@@ -127,7 +128,7 @@ def speed(llm, worker, tok, n_tokens: int, repeats: int) -> None:
     layers = len(bench.runner.layers)
     n = len(target)
     every = np.arange(n)
-    always = np.union1d(bench.always(), [n - 1])
+    always = np.union1d(bench.always(echo_span=echo_span), [n - 1])
     ratios = (0.05, 0.15, 0.3, 1.0)
     cold(1000)  # warm the engine up
     colds, runs = [], {r: [] for r in ratios}
@@ -162,11 +163,17 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speed-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--echo-span",
+        type=int,
+        default=RecomputeConfig.recompute_echo_span,
+        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
+    )
     args = parser.parse_args()
     llm, worker = engine()
     tok = models.smollm2_tokenizer()
-    quality(worker, tok, args.pairs)
-    speed(llm, worker, tok, args.speed_tokens, args.repeats)
+    quality(worker, tok, args.pairs, args.echo_span)
+    speed(llm, worker, tok, args.speed_tokens, args.repeats, args.echo_span)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ class DonorRecord:
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
-    escalations: int = 0  # loads from it the recompute gate had to widen
+    escalations: int = 0  # targets whose loads from it the recompute gate had to widen
+    # those targets (``Served.target``): the same prompt again is the same target
+    escalated_targets: set[int] = field(default_factory=set, repr=False)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -136,8 +136,10 @@ class RecomputeConfig(Section):
         "(semshare-bench, six workloads at 1K and 2K tokens, 48 targets, SmolLM2-135M), 24 "
         "against 0: the pooled perplexity ratio of doc-qa hits (1K / 2K) went from 1.026 / "
         "1.027 to 1.010 / 1.008, of rag-qa from 1.055 / 1.003 to 1.026 / 0.980, the gate "
-        "declined 4 loads instead of 7, and the share of doc-qa hits rose from 0.08-0.09 to "
-        "0.12-0.15 (docs/benchmarks.md, echoes). 0: off.",
+        "declined 4 loads instead of 7; the share of doc-qa hits rose from 0.08-0.09 to "
+        "0.12-0.15 (their 2K speed-up 11.7x to 8.0x), and one entity-swap target at a "
+        "0.13-logit tie in cold's own output answered wrong with echoes, right without "
+        "(docs/benchmarks.md, echoes). 0: off.",
         minimum=0,
         maximum=4096,
     )

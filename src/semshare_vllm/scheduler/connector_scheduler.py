@@ -49,6 +49,7 @@ from semshare_vllm.scheduler.planner import Aligner, SemanticPlan
 from semshare_vllm.scheduler.provenance import Provenance
 from semshare_vllm.scheduler.request_params import (
     claim_limit,
+    reusable_prompt,
     reuse_limit,
     reuse_mode,
     wants_prompt_logprobs,
@@ -298,6 +299,8 @@ class SemShareScheduler:
         served.kind = "semantic" if isinstance(offer, SemanticPlan) else "exact"
         served.tokens, served.donor = spec.num_tokens, spec.key
         served.policy, served.seq = spec.policy, spec.seq
+        if spec.policy != "none":  # a repair the gate may escalate (``report_escalation``)
+            served.target = hash(tuple(reusable_prompt(request)))
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")
@@ -587,9 +590,9 @@ class SemShareScheduler:
         for key in meta.bad_donors:
             self.catalog.drop_bad(key)
         for figures in meta.repairs:
-            donor = self.provenance.repaired(figures, self.requests)
-            if figures.escalations and donor is not None:
-                self.catalog.report_escalation(donor)
+            served = self.provenance.repaired(figures, self.requests)
+            if figures.escalations and served is not None and served.donor is not None:
+                self.catalog.report_escalation(served.donor, served.target)
 
     def take_stats(self) -> dict | None:
         """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,

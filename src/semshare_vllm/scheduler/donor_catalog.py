@@ -54,13 +54,15 @@ class DonorCatalog:
         self.evict(self.index.report_deviation(key, deviation))
         self.changed = True
 
-    def report_escalation(self, key: DonorKey) -> None:
-        """A load from donor ``key`` needed the recompute gate's escalation: after
-        ``ESCALATIONS_TO_DEMOTE`` of them it is demoted (no longer offered by discovery; the
-        ``divergence`` eviction policy evicts it first)."""
+    def report_escalation(self, key: DonorKey, target: int | None) -> None:
+        """A load from donor ``key`` into ``target`` (``Served.target``) needed the recompute
+        gate's escalation: once ``ESCALATIONS_TO_DEMOTE`` targets did, it is demoted (no longer
+        offered by discovery; the ``divergence`` eviction policy evicts it first)."""
         record = self.index.get(key)
-        if record is None or record.demoted:
+        if record is None or record.demoted or target in record.escalated_targets:
             return
+        if target is not None:
+            record.escalated_targets.add(target)
         record.escalations += 1
         if record.escalations >= ESCALATIONS_TO_DEMOTE:
             self.index.demote(key)

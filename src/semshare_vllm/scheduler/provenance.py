@@ -38,7 +38,7 @@ import secrets
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 from semshare_vllm.metadata import RepairReport
-from semshare_vllm.scheduler.request_state import RequestState
+from semshare_vllm.scheduler.request_state import RequestState, Served
 
 KEY = "semshare_provenance"
 VERSION = 1
@@ -69,16 +69,16 @@ class Provenance:
             self._observe(params[KEY])
         return params
 
-    def repaired(self, report: RepairReport, live: dict[str, RequestState]) -> DonorKey | None:
+    def repaired(self, report: RepairReport, live: dict[str, RequestState]) -> Served | None:
         """The worker's figures of one repaired load: kept for a live request, written into the
-        dict of one that finished in this output. The donor that load read (None: no request
-        is known to have made it)."""
+        dict of one that finished in this output. What that load served (its donor, its
+        target; None: no request is known to have made it)."""
         state = live.get(report.req_id)
         if state is not None:
             if state.served.seq != report.seq:
                 return None
             state.served.repair = report
-            return state.served.donor
+            return state.served
         held = self._open.get(report.req_id)
         if held is None or held[1].served.seq != report.seq:
             return None  # finished earlier (settled), or aborted: nobody reads it
@@ -86,7 +86,7 @@ class Provenance:
         state.served.repair = report
         params[KEY] = self._figures(request, state)
         self._observe(params[KEY])
-        return state.served.donor
+        return state.served
 
     def settle(self) -> None:
         """vLLM's output is done: dicts still open keep their worker figures null."""

@@ -57,6 +57,9 @@ class Served:
     seq: int | None = None  # the load's LoadSpec.seq
     repair: RepairReport | None = None  # the worker's figures of that load, once reported
     vllm_cached_tokens: int | None = None  # vLLM's own prefix-cache hit (None: not known)
+    # which prompt the load served (a hash of ``reusable_prompt``): a request scoring that
+    # prompt's continuation, or the prompt sent again, is the same target
+    target: int | None = None
 
 
 @dataclass

@@ -244,3 +244,28 @@ def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted
     for _ in range(3):
         other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
     assert "donors_demoted_by_escalation" not in other.stats.totals
+
+
+def test_the_same_prompt_escalating_twice_is_one_target_not_two():
+    """A donor is demoted when two targets found it short. The same prompt sent again (a
+    retry), or a request scoring its continuation (semshare-bench's, searched and aligned as
+    the prompt it scores), is the same target: seen demoting a donor after one rag-qa target,
+    so that the group's next target missed."""
+    s = scheduler(recompute_policy="all")
+    prompt = DONOR[:150] + [5]
+    twin = request("twin", prompt + [9, 9, 9])
+    twin.kv_transfer_params = {"semshare_reuse_limit": len(prompt) - 1}
+    key = None
+    for i, r in enumerate(
+        (request("t0", prompt), twin, request("t2", prompt), request("t3", DONOR[:150] + [6]))
+    ):
+        claim, _ = s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, Blocks(list(range(10, 17))), claim)
+        load = s.build_connector_meta(None).loads[0]
+        key = load.key
+        s.update_connector_output(
+            output([RepairReport(r.request_id, load.seq, 0.6, 0.1, 0.01, 0.03, escalations=1)])
+        )
+        end(s, r)
+        assert s.index.get(key).demoted == (i == 3), i
+    assert s.stats.totals["donors_demoted_by_escalation"] == 1
