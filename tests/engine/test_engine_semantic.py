@@ -60,7 +60,7 @@ def reference(references):
 def _donors_stay_offered():
     """The module's tests are served by the same donor, and its loads may escalate (the gate
     test makes them): a donor is demoted after two, which would end the tests after it.
-    Demotion has its own test (test_engine_provenance)."""
+    Demotion has its own tests (tests/unit/scheduler/test_provenance.py)."""
     from semshare_vllm.scheduler import donor_catalog
 
     with pytest.MonkeyPatch.context() as patch:

@@ -48,8 +48,8 @@ class DonorRecord:
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
-    escalations: int = 0  # targets whose loads from it the recompute gate had to widen
-    # those targets (``Served.target``): the same prompt again is the same target
+    escalations: int = 0  # loads from it the recompute gate had to widen
+    # their targets (``Served.target``): a continuation scored on one counts no more
     escalated_targets: set[int] = field(default_factory=set, repr=False)
 
     @property

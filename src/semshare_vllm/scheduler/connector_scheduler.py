@@ -300,7 +300,9 @@ class SemShareScheduler:
         served.tokens, served.donor = spec.num_tokens, spec.key
         served.policy, served.seq = spec.policy, spec.seq
         if spec.policy != "none":  # a repair the gate may escalate (``report_escalation``)
-            served.target = hash(tuple(reusable_prompt(request)))
+            prompt = reusable_prompt(request)
+            served.target = hash(tuple(prompt))
+            served.continuation = len(prompt) < request.num_prompt_tokens
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")
@@ -592,7 +594,7 @@ class SemShareScheduler:
         for figures in meta.repairs:
             served = self.provenance.repaired(figures, self.requests)
             if figures.escalations and served is not None and served.donor is not None:
-                self.catalog.report_escalation(served.donor, served.target)
+                self.catalog.report_escalation(served.donor, served.target, served.continuation)
 
     def take_stats(self) -> dict | None:
         """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,

@@ -54,12 +54,17 @@ class DonorCatalog:
         self.evict(self.index.report_deviation(key, deviation))
         self.changed = True
 
-    def report_escalation(self, key: DonorKey, target: int | None) -> None:
+    def report_escalation(self, key: DonorKey, target: int | None, continuation: bool) -> None:
         """A load from donor ``key`` into ``target`` (``Served.target``) needed the recompute
-        gate's escalation: once ``ESCALATIONS_TO_DEMOTE`` targets did, it is demoted (no longer
-        offered by discovery; the ``divergence`` eviction policy evicts it first)."""
+        gate's escalation: after ``ESCALATIONS_TO_DEMOTE`` of them it is demoted (no longer
+        offered by discovery; the ``divergence`` eviction policy evicts it first). A request
+        scoring a continuation of a prompt that escalated already (semshare-bench's scoring
+        request) does not count again; the prompt itself sent again does, so that a prompt
+        that keeps escalating is computed by vLLM in the end, and kept as a donor."""
         record = self.index.get(key)
-        if record is None or record.demoted or target in record.escalated_targets:
+        if record is None or record.demoted:
+            return
+        if continuation and target in record.escalated_targets:
             return
         if target is not None:
             record.escalated_targets.add(target)

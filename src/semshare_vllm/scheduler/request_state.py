@@ -57,9 +57,11 @@ class Served:
     seq: int | None = None  # the load's LoadSpec.seq
     repair: RepairReport | None = None  # the worker's figures of that load, once reported
     vllm_cached_tokens: int | None = None  # vLLM's own prefix-cache hit (None: not known)
-    # which prompt the load served (a hash of ``reusable_prompt``): a request scoring that
-    # prompt's continuation, or the prompt sent again, is the same target
+    # which prompt the load served (a hash of ``reusable_prompt``), and whether the request
+    # only scores a continuation of it (a reuse limit before its end): such a request's
+    # escalation is that prompt's again, not another target's (``report_escalation``)
     target: int | None = None
+    continuation: bool = False
 
 
 @dataclass

@@ -263,9 +263,13 @@ def test_every_workload_against_a_launched_server(tmp_path, monkeypatch, capsys)
     # (prompt + reference, reuse limit at the prompt's end) claims what the served request
     # reused, vLLM's prefix cache and the connector together (with prompt logprobs vLLM reads
     # none of its cache: seen where a target shares its first blocks with its donor). Hits
-    # whose scoring request was itself a miss (a donor demoted by the served request's
-    # escalation) have no ratio and are left out.
-    scored_hits = [r for r in rows if r["hit"] and r["perplexity_ratio"] is not None]
+    # that escalated are left out: their escalation may have demoted the donor (the second
+    # target to escalate on it), and the scoring request then finds none.
+    scored_hits = [
+        r
+        for r in rows
+        if r["hit"] and r["reference_nll_semshare"] is not None and not r["escalated"]
+    ]
     assert scored_hits
     assert all(r["reference_connector_tokens"] == r["cached_tokens"] for r in scored_hits), [
         (r["workload"], r["cached_tokens"], r["connector_tokens"], r["reference_connector_tokens"])
