@@ -25,7 +25,7 @@ import argparse
 import collections
 
 import numpy as np
-from recompute_quality import bench_for, engine
+from recompute_quality import add_echo_span, bench_for, engine
 
 from semshare_vllm.bench.workloads import Sizer, build
 from semshare_vllm.config import SemShareConfig
@@ -91,14 +91,9 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--draws", type=int, default=500)
     ap.add_argument("--aims", default="8,10,12,16", help="check-layer aims to compare")
-    cfg = SemShareConfig()
-    ap.add_argument(
-        "--echo-span",
-        type=int,
-        default=cfg.recompute_echo_span,
-        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
-    )
+    add_echo_span(ap)
     args = ap.parse_args()
+    cfg = SemShareConfig()
     bound = cfg.recompute_error_bound
     tok = models.smollm2_tokenizer()
     _, worker = engine()

@@ -49,6 +49,15 @@ def engine():
     return llm, offline.connector_halves(llm)[1]
 
 
+def add_echo_span(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--echo-span",
+        type=int,
+        default=RecomputeConfig.recompute_echo_span,
+        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
+    )
+
+
 def bench_for(worker, donor, target) -> BlendBench:
     return BlendBench.on_engine(worker, donor, target)
 
@@ -163,12 +172,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speed-tokens", type=int, default=2048)
-    parser.add_argument(
-        "--echo-span",
-        type=int,
-        default=RecomputeConfig.recompute_echo_span,
-        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
-    )
+    add_echo_span(parser)
     args = parser.parse_args()
     llm, worker = engine()
     tok = models.smollm2_tokenizer()
