@@ -54,7 +54,7 @@ def add_echo_span(parser: argparse.ArgumentParser) -> None:
         "--echo-span",
         type=int,
         default=RecomputeConfig.recompute_echo_span,
-        help="recompute_echo_span of the always-set (0 before c719cd2, as the figures then)",
+        help="recompute_echo_span of the always-set (default: the config's, 0)",
     )
 
 

@@ -161,7 +161,7 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
 
 
 @pytest.mark.parametrize(
-    ("decline_share", "echo_span"), [(1.0, 0), (0.5, 0), (0.5, None)], ids=["all", "gate", "as-run"]
+    ("decline_share", "echo_span"), [(1.0, 0), (0.5, 0), (0.5, 24)], ids=["all", "gate", "echoes"]
 )
 def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_as_cold(
     llm, sched, worker, prompts, reference, monkeypatch, decline_share, echo_span
@@ -173,9 +173,9 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
     request answers exactly as cold (tokens and logprobs), and its provenance says why.
 
     With echoes off (``echo_span`` 0) the check layer's first choice is under half of this
-    short prompt, so the decline comes at the gate, after an escalation; with the default
-    echoes the always-recomputed tokens and the 30% are already over half, and the load is
-    declined at the check layer ("as-run": seen when echoes went on by default)."""
+    short prompt, so the decline comes at the gate, after an escalation; with echoes (24) the
+    always-recomputed tokens and the 30% are already over half, and the load is declined at
+    the check layer (seen while echoes were on by default)."""
     from dataclasses import replace
 
     run(llm, prompts["a"])  # (already a donor after the first test; harmless)
@@ -187,17 +187,18 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
         recompute_decline_share=decline_share,
     )
     monkeypatch.setattr(worker.loads, "config", strict)
-    if echo_span is not None:  # the always-recomputed set is the scheduler's plan
+    if echo_span != sched.search.config.recompute_echo_span:  # the scheduler plans that set
         monkeypatch.setattr(
             sched.search, "config", replace(sched.search.config, recompute_echo_span=echo_span)
         )
+        monkeypatch.setattr(sched.search.aligner, "echoes", echo_span > 0)  # and marks them
     before = totals(sched, worker)
     out = run(llm, prompts["b"])
     after = totals(sched, worker)
     assert after["semantic_hits"] - before.get("semantic_hits", 0) == 1
     prov = out["kv_transfer_params"]["semshare_provenance"]
     assert prov["served"] == "semantic"
-    if echo_span is not None:  # the gate ran and escalated
+    if echo_span == 0:  # the gate ran and escalated
         escalated = after["recompute_escalated_loads"] - before.get("recompute_escalated_loads", 0)
         assert escalated == 1 and prov["escalations"] >= 1 and prov["gate_residual"] > 0
     else:

@@ -68,8 +68,8 @@ def llm(model):
                 "recompute_check_layer": 0,
                 # The hit must give cold's tokens on a random 2-layer model, whose greedy
                 # tokens are near-ties: at the plan this module was written for they match.
-                # Echoes (on by default) lower the blend's error here too (offline, last
-                # position: logit error 0.36 -> 0.26), yet flipped the 2nd token.
+                # Echoes lower the blend's error here too (offline, last position: logit
+                # error 0.36 -> 0.26), yet flipped the 2nd token (seen on by default).
                 "recompute_echo_span": 0,
                 "tp_semantic_reuse": True,
             },

@@ -127,7 +127,7 @@ class RecomputeConfig(Section):
     )
     recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)
     recompute_echo_span: int = knob(
-        24,
+        0,
         "Always recomputed, on semantic loads, where > 0: each aligned pair of tokens that "
         "came earlier in the text the two prompts do not share (a question naming a title "
         "that a passage names too; a pair seen more than 3 times in the shared text is not "
@@ -137,9 +137,9 @@ class RecomputeConfig(Section):
         "against 0: the pooled perplexity ratio of doc-qa hits (1K / 2K) went from 1.026 / "
         "1.027 to 1.010 / 1.008, of rag-qa from 1.055 / 1.003 to 1.026 / 0.980, the gate "
         "declined 4 loads instead of 7; the share of doc-qa hits rose from 0.08-0.09 to "
-        "0.12-0.15 (their 2K speed-up 11.7x to 8.0x), and one entity-swap target at a "
-        "0.13-logit tie in cold's own output answered wrong with echoes, right without "
-        "(docs/benchmarks.md, echoes). 0: off.",
+        "0.12-0.15 (their 2K speed-up 11.7x to 8.0x). Off by default: on a 512-token "
+        "cross-instruction target the echoes made a quarter of the prompt always recomputed "
+        "and it was no hit (docs/benchmarks.md, echoes). 0: off.",
         minimum=0,
         maximum=4096,
     )
