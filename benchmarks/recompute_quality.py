@@ -54,7 +54,8 @@ def add_echo_span(parser: argparse.ArgumentParser) -> None:
         "--echo-span",
         type=int,
         default=RecomputeConfig.recompute_echo_span,
-        help="recompute_echo_span of the always-set (default: the config's, 0)",
+        help="recompute_echo_span of the always-set (default: the config's, 24; within the "
+        "config's recompute_echo_max_share)",
     )
 
 

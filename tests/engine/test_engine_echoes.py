@@ -26,7 +26,7 @@ from semshare_vllm.testbed.blend_eval import BlendBench
 pytestmark = pytest.mark.engine
 
 ASKED = "Who wrote Death of a Salesman?"
-ECHO_SPAN = 24  # the knob is off by default (docs/benchmarks.md, echoes)
+ECHO_SPAN = SemShareConfig().recompute_echo_span  # 24, capped at recompute_echo_max_share
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,7 @@ def test_the_passage_on_what_the_target_asks_is_read_as_cold_reads_it(llm, pair)
             config.recompute_run_head,
             config.recompute_tail,
             echo_span,
+            config.recompute_echo_max_share,
         )
         always = np.asarray(plan.always, dtype=np.int64)
         selection = make_selection("adaptive", loaded, always, config, len(bench.runner.layers))
@@ -78,6 +79,7 @@ def test_the_passage_on_what_the_target_asks_is_read_as_cold_reads_it(llm, pair)
         assert not selection.declined
         return math.exp(served - cold), len(always) / len(loaded)
 
+    assert ECHO_SPAN > 0  # on by default (docs/benchmarks.md, echoes)
     served, share = ratio(ECHO_SPAN)
     before, _ = ratio(0)
     assert before > 1.05, "the case no longer shows what echoes are for: pick another"

@@ -161,10 +161,12 @@ def test_other_tenants_get_no_semantic_hit(llm, sched, prompts):
 
 
 @pytest.mark.parametrize(
-    ("decline_share", "echo_span"), [(1.0, 0), (0.5, 0), (0.5, 24)], ids=["all", "gate", "echoes"]
+    ("decline_share", "echo_span", "echo_share"),
+    [(1.0, 0, 0.1), (0.5, 0, 0.1), (0.5, 24, 1.0)],
+    ids=["all", "gate", "echoes"],
 )
 def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_as_cold(
-    llm, sched, worker, prompts, reference, monkeypatch, decline_share, echo_span
+    llm, sched, worker, prompts, reference, monkeypatch, decline_share, echo_span, echo_share
 ):
     """Fail-closed: the check layer may keep at most 30% of the tokens, and the adaptive
     policy's gate then finds error left above a bound of 0. Allowed to
@@ -173,9 +175,10 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
     request answers exactly as cold (tokens and logprobs), and its provenance says why.
 
     With echoes off (``echo_span`` 0) the check layer's first choice is under half of this
-    short prompt, so the decline comes at the gate, after an escalation; with echoes (24) the
-    always-recomputed tokens and the 30% are already over half, and the load is declined at
-    the check layer (seen while echoes were on by default)."""
+    short prompt, so the decline comes at the gate, after an escalation; with echoes (24) and
+    no cap on their share (``echo_share`` 1.0) the always-recomputed tokens and the 30% are
+    already over half, and the load is declined at the check layer (seen while echoes were on
+    by default, before the cap)."""
     from dataclasses import replace
 
     run(llm, prompts["a"])  # (already a donor after the first test; harmless)
@@ -187,11 +190,11 @@ def test_with_an_error_bound_of_zero_the_gate_fails_closed_and_the_hit_answers_a
         recompute_decline_share=decline_share,
     )
     monkeypatch.setattr(worker.loads, "config", strict)
-    if echo_span != sched.search.config.recompute_echo_span:  # the scheduler plans that set
-        monkeypatch.setattr(
-            sched.search, "config", replace(sched.search.config, recompute_echo_span=echo_span)
-        )
-        monkeypatch.setattr(sched.search.aligner, "echoes", echo_span > 0)  # and marks them
+    planned = replace(  # the scheduler plans the always-recomputed set
+        sched.search.config, recompute_echo_span=echo_span, recompute_echo_max_share=echo_share
+    )
+    monkeypatch.setattr(sched.search, "config", planned)
+    monkeypatch.setattr(sched.search.aligner, "echoes", echo_span > 0)  # and marks the echoes
     before = totals(sched, worker)
     out = run(llm, prompts["b"])
     after = totals(sched, worker)

@@ -127,21 +127,31 @@ class RecomputeConfig(Section):
     )
     recompute_tail: int = knob(8, "Always recomputed: this many last loaded tokens.", minimum=0)
     recompute_echo_span: int = knob(
-        0,
+        24,
         "Always recomputed, on semantic loads, where > 0: each aligned pair of tokens that "
         "came earlier in the text the two prompts do not share (a question naming a title "
         "that a passage names too; a pair seen more than 3 times in the shared text is not "
-        "one), with this many tokens after it. The deeper layers read such a passage in the "
-        "other prompt's context, which the check layer's deviation does not show. End to end "
-        "(semshare-bench, six workloads at 1K and 2K tokens, 48 targets, SmolLM2-135M), 24 "
-        "against 0: the pooled perplexity ratio of doc-qa hits (1K / 2K) went from 1.026 / "
-        "1.027 to 1.010 / 1.008, of rag-qa from 1.055 / 1.003 to 1.026 / 0.980, the gate "
-        "declined 4 loads instead of 7; the share of doc-qa hits rose from 0.08-0.09 to "
-        "0.12-0.15 (their 2K speed-up 11.7x to 8.0x). Off by default: on a 512-token "
-        "cross-instruction target the echoes made a quarter of the prompt always recomputed "
-        "and it was no hit (docs/benchmarks.md, echoes). 0: off.",
+        "one), with this many tokens after it, within recompute_echo_max_share of the load. "
+        "The deeper layers read such a passage in the other prompt's context, which the check "
+        "layer's deviation does not show. End to end (semshare-bench, six workloads at 1K and "
+        "2K tokens, 48 targets, SmolLM2-135M), 24 against 0: the pooled perplexity ratio of "
+        "doc-qa hits (1K / 2K) went from 1.026 / 1.027 to 1.010 / 1.008, of rag-qa from 1.055 "
+        "/ 1.003 to 1.026 / 0.980, the gate declined 4 loads instead of 7; the share of doc-qa "
+        "hits rose from 0.08-0.09 to 0.12-0.15 (their 2K speed-up 11.7x to 8.0x) "
+        "(docs/benchmarks.md, echoes). 0: off.",
         minimum=0,
         maximum=4096,
+    )
+    recompute_echo_max_share: float = knob(
+        0.1,
+        "The echoes' spans (recompute_echo_span) hold at most this share of a load: past it "
+        "every echo's span is shortened alike (down to the pairs alone, then the first pairs). "
+        "Aligned offline, the six bench workloads' spans held 0-12% of a load at 1K and 2K "
+        "tokens, up to 21% at 512; uncapped, a 512-token cross-instruction hit escalated past "
+        "recompute_decline_share and was declined, capped at 0.1 it was a hit, 1.6x faster "
+        "than cold (docs/benchmarks.md, echoes).",
+        minimum=0.0,
+        maximum=1.0,
     )
     semsharekv_hot_threshold: float = knob(
         0.55,

@@ -395,21 +395,20 @@ def always_recompute(
     tail: int = 8,
     echoes: np.ndarray | None = None,
     echo_span: int = 0,
+    echo_max_share: float = 1.0,
 ) -> np.ndarray:
     """Positions of ``loaded`` whose donor KV cannot be right: no donor token, a different
     donor token (measured as no better than a random token's KV), the first ``run_head`` tokens
     of every stretch aligned to consecutive donor positions (they attended to other tokens in
-    the donor), the last ``tail`` loaded positions, and where ``echo_span`` > 0, each echo
-    (``alignment.echoes``: the start of a pair of tokens that came earlier in the text the
-    prompts do not share) with its pair and the ``echo_span`` tokens after it (the deeper
-    layers read that passage in the other prompt's context). A stretch is read from
-    ``donor_pos`` itself, not from the exact stage's runs: the edit, sentence and LSH stages
-    align same tokens outside any run, down to a lone newline of another instruction."""
+    the donor), the last ``tail`` loaded positions, and where ``echo_span`` > 0, the echoes'
+    spans (``echo_spans``: the deeper layers read those passages in the other prompt's
+    context). A stretch is read from ``donor_pos`` itself, not from the exact stage's runs:
+    the edit, sentence and LSH stages align same tokens outside any run, down to a lone
+    newline of another instruction."""
     loaded = np.asarray(loaded, dtype=np.int64)
     out = [loaded[-tail:]] if tail > 0 and len(loaded) else []
-    if echoes is not None and echo_span > 0 and len(echoes) and len(loaded):
-        spans = _spans(np.asarray(echoes), 2 + echo_span, int(loaded.max()) + 1)
-        out.append(np.intersect1d(spans, loaded))
+    if echoes is not None and echo_span > 0:
+        out.append(echo_spans(loaded, np.asarray(echoes), echo_span, echo_max_share))
     if donor_pos is not None:
         donor_pos = np.asarray(donor_pos, dtype=np.int64)
         bad = donor_pos[loaded] < 0
@@ -425,14 +424,47 @@ def always_recompute(
     return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
 
 
-def _spans(starts: np.ndarray, length: int, n: int) -> np.ndarray:
-    """The positions below ``n`` inside ``[s, s + length)`` for any ``s`` of ``starts`` (a
-    difference array: memory by ``n``, not by starts times length)."""
+def echo_spans(
+    loaded: np.ndarray, echoes: np.ndarray, span: int, max_share: float = 1.0
+) -> np.ndarray:
+    """The positions of ``loaded`` inside an echo's span: the echo (``alignment.echoes``: the
+    start of a pair of tokens that came earlier in the text the prompts do not share), its
+    pair and the ``span`` tokens after it, with the span shortened, the same for every echo,
+    until they hold at most ``max_share`` of the load; where even the pairs would not, the
+    first of the pairs' positions that fit. Why a cap: on a short prompt with several echoes
+    the spans made a quarter of a 512-token load always recomputed and its hit became a
+    decline (docs/benchmarks.md, echoes); every echo keeps its first tokens before any one
+    keeps its far end."""
+    loaded = np.asarray(loaded, dtype=np.int64)
+    echoes = np.asarray(echoes, dtype=np.int64)
+    if not len(echoes) or not len(loaded):
+        return np.zeros(0, dtype=np.int64)
+    n, budget = int(loaded.max()) + 1, int(max_share * len(loaded))
+    in_load = np.zeros(n, dtype=bool)
+    in_load[loaded[loaded >= 0]] = True
+
+    def inside(s: int) -> np.ndarray:  # the span's longer, the mask's larger: a binary search
+        return _covered(echoes, 2 + s, n) & in_load
+
+    lo, hi = span, span + 1  # the longest span that fits lies in [lo, hi)
+    if int(inside(span).sum()) > budget:
+        lo, hi = -1, span  # -1: not even the pairs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if int(inside(mid).sum()) <= budget else (lo, mid)
+    if lo < 0:
+        return np.flatnonzero(inside(0))[:budget]
+    return np.flatnonzero(inside(lo))
+
+
+def _covered(starts: np.ndarray, length: int, n: int) -> np.ndarray:
+    """Mask of the positions below ``n`` inside ``[s, s + length)`` for any ``s`` of
+    ``starts`` (a difference array: memory by ``n``, not by starts times length)."""
     starts = starts[(starts >= 0) & (starts < n)].astype(np.int64)
     edges = np.zeros(n + 1, dtype=np.int64)
     np.add.at(edges, starts, 1)
     np.add.at(edges, np.minimum(starts + length, n), -1)
-    return np.flatnonzero(np.cumsum(edges[:n]) > 0)
+    return np.cumsum(edges[:n]) > 0
 
 
 def make_selection(

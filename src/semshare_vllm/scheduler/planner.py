@@ -173,12 +173,15 @@ def plan_claim(
     run_head: int,
     tail: int,
     echo_span: int = 0,
+    echo_max_share: float = 1.0,
 ) -> SemanticPlan:
     """Claim ``[start, end)`` of the request from donor ``key`` aligned by ``al``."""
     loaded = np.arange(start, end)
     donor_pos = al.donor_pos[start:end]
     same = al.kind == MatchKind.EXACT
-    always = always_recompute(loaded, al.donor_pos, same, run_head, tail, al.echoes, echo_span)
+    always = always_recompute(
+        loaded, al.donor_pos, same, run_head, tail, al.echoes, echo_span, echo_max_share
+    )
     aligned = donor_pos >= 0
     exact = int((aligned & same[start:end]).sum())
     return SemanticPlan(

@@ -181,6 +181,7 @@ class SemanticSearch:
             c.recompute_run_head,
             c.recompute_tail,
             c.recompute_echo_span,
+            c.recompute_echo_max_share,
         )
 
     def _align(self, request, state: RequestState, num_computed: int):

@@ -131,9 +131,11 @@ class BlendBench:
         run_head: int = 4,
         tail: int = 8,
         echo_span: int = RecomputeConfig.recompute_echo_span,
+        echo_max_share: float = RecomputeConfig.recompute_echo_max_share,
     ) -> np.ndarray:
         """What the connector would always recompute when claiming all but the last token."""
-        plan = plan_claim(None, self.alignment, 0, len(self.target) - 1, run_head, tail, echo_span)
+        end = len(self.target) - 1
+        plan = plan_claim(None, self.alignment, 0, end, run_head, tail, echo_span, echo_max_share)
         return np.asarray(plan.always, dtype=np.int64)
 
     def continuation_nll(self, selection: Selection | None, prompt_len: int) -> float:

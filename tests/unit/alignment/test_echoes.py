@@ -6,7 +6,7 @@ from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment import AlignParams, align, with_echoes
 from semshare_vllm.alignment.echoes import MAX_REPEATS, echo_starts
-from semshare_vllm.recompute.policy import always_recompute
+from semshare_vllm.recompute.policy import always_recompute, echo_spans
 from semshare_vllm.scheduler.planner import Aligner, plan_claim
 
 ENTITY_T, ENTITY_D = [7001, 7002], [8001, 8002]  # what each prompt's question names
@@ -132,3 +132,43 @@ def test_echo_spans_overlap_and_clip_to_the_load():
     assert list(got) == [5, 6, *range(8, 15)]
     big = always_recompute(np.arange(100), None, None, 0, 0, np.arange(0, 100, 7), 4096)
     assert list(big) == list(range(100))
+
+
+def test_past_their_share_of_the_load_every_echo_s_span_is_shortened_alike():
+    """On a short prompt with several echoes, full spans made a quarter of the load always
+    recomputed (a 512-token hit turned into a decline): the spans shrink together until they
+    fit ``max_share``, each echo keeping its pair and first tokens."""
+    loaded, echoes = np.arange(200), np.array([10, 60, 110, 160])
+    assert len(echo_spans(loaded, echoes, 24)) == 4 * 26  # no cap: 52% of the load
+    got = echo_spans(loaded, echoes, 24, max_share=0.25)  # 50 positions: spans of 10 (12 each)
+    assert list(got) == [p for e in echoes for p in range(e, e + 12)]
+    assert len(echo_spans(loaded, echoes, 24, max_share=0.5)) == 4 * 25
+    # the pairs alone still fit at 4%; at 3% the first of their positions that fit
+    assert list(echo_spans(loaded, echoes, 24, max_share=0.04)) == [
+        p for e in echoes for p in (e, e + 1)
+    ]
+    assert list(echo_spans(loaded, echoes, 24, max_share=0.03)) == [10, 11, 60, 61, 110, 111]
+    # the budget is a share of the load, not of the prompt (100 loaded: 20 positions)
+    assert list(echo_spans(np.arange(100, 200), echoes, 24, 0.2)) == [
+        *range(110, 120),
+        *range(160, 170),
+    ]
+    # under the cap nothing changes
+    assert list(echo_spans(np.arange(100, 200), echoes, 4, 0.2)) == [
+        *range(110, 116),
+        *range(160, 166),
+    ]
+
+
+def test_the_plan_caps_the_echoes_share_as_configured():
+    from semshare_vllm.config import SemShareConfig
+
+    target, donor, at_t, at_d = prompts()
+    al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
+    end = len(target) - 1
+    without = set(plan_claim("k", al, 0, end, 4, 1).always)
+    full = set(plan_claim("k", al, 0, end, 4, 1, 24, 1.0).always) - without
+    share = SemShareConfig().recompute_echo_max_share
+    capped = set(plan_claim("k", al, 0, end, 4, 1, 24, share).always) - without
+    assert len(full) == 2 * 26 and share == 0.1  # 20 of the 208 loaded: spans of 8
+    assert capped == {*range(at_t, at_t + 10), *range(at_d, at_d + 10)}
