@@ -101,14 +101,17 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         with ThreadPoolExecutor(16) as pool:
             outs = list(pool.map(lambda p: srv.complete(p, max_tokens=8), prompts))
         assert all(len(o.text) > 0 and o.prompt_tokens for o in outs)
-        # counters reach /metrics with the engine's stats, which may trail the last answer
-        srv.wait_for_stat("semantic_hits", 2 + len(cases["fact_targets"]) + 32 * 0.5, 180)
+        # counters reach /metrics with the engine's stats, which may trail the last answer. A
+        # resent target whose loads escalate twice demotes its donor; vLLM then computes it and
+        # later resends reuse its own KV exactly (seen since echoes are on): every hit counts.
+        srv.wait_for_stat("hits", 2 + len(cases["fact_targets"]) + 32 * 0.5, 180)
         metrics = srv.metrics()
         stats = srv.connector_stats()
     for name in ("semantic_hits", "hit_tokens", "recomputed_tokens", "exact_reused_tokens"):
         m = re.search(rf"^vllm:semshare_{name}_total\{{[^}}]*\}} (\S+)", metrics, re.M)
         assert m and float(m.group(1)) > 0, name
-    assert stats["semantic_hits"] >= 2 + len(cases["fact_targets"]) + 32 * 0.5
+    assert stats["hits"] >= 2 + len(cases["fact_targets"]) + 32 * 0.5
+    assert stats["semantic_hits"] >= 2 + len(cases["fact_targets"])
     assert "recompute_failures" not in stats and "load_failures" not in stats
     assert stats["reuse_opt_outs"] >= 1
 
