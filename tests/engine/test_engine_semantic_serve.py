@@ -98,20 +98,27 @@ def test_semantic_hits_through_http(model, cases, cold, tmp_path, monkeypatch):
         prompts = [
             cases["target"] if i % 2 else wiki_document(2000 + 37 * i, 600) for i in range(64)
         ]
+        before = srv.connector_stats()
         with ThreadPoolExecutor(16) as pool:
             outs = list(pool.map(lambda p: srv.complete(p, max_tokens=8), prompts))
         assert all(len(o.text) > 0 and o.prompt_tokens for o in outs)
-        # counters reach /metrics with the engine's stats, which may trail the last answer. A
-        # resent target whose loads escalate twice demotes its donor; vLLM then computes it and
-        # later resends reuse its own KV exactly (seen since echoes are on): every hit counts.
-        srv.wait_for_stat("hits", 2 + len(cases["fact_targets"]) + 32 * 0.5, 180)
+        # counters reach /metrics with the engine's stats, which may trail the last answer. Half
+        # the 32 resent targets at least are served by the connector. With echoes on, each of
+        # this target's loads escalates at the gate (share 0.32; 0.18 without echoes, whose gate
+        # estimate, 0.017, is near the bound of 0.02), so its second escalated load demotes the
+        # donor; vLLM then computes the target and later resends reuse its own KV exactly.
+        srv.wait_for_stat("hits", before["hits"] + 32 * 0.5, 180)
         metrics = srv.metrics()
         stats = srv.connector_stats()
+    delta = {k: stats.get(k, 0) - before.get(k, 0) for k in stats}
+    assert delta["semantic_hits"] >= 1
+    assert delta["hits"] - delta.get("recompute_declined", 0) >= 32 * 0.5
+    # served exactly instead only where the donor was demoted, and the target captured once
+    assert delta["semantic_hits"] >= 32 * 0.5 or delta.get("donors_demoted_by_escalation", 0) == 1
+    assert delta["donors_registered"] <= 32 + 1
     for name in ("semantic_hits", "hit_tokens", "recomputed_tokens", "exact_reused_tokens"):
         m = re.search(rf"^vllm:semshare_{name}_total\{{[^}}]*\}} (\S+)", metrics, re.M)
         assert m and float(m.group(1)) > 0, name
-    assert stats["hits"] >= 2 + len(cases["fact_targets"]) + 32 * 0.5
-    assert stats["semantic_hits"] >= 2 + len(cases["fact_targets"])
     assert "recompute_failures" not in stats and "load_failures" not in stats
     assert stats["reuse_opt_outs"] >= 1
 

@@ -133,11 +133,12 @@ class RecomputeConfig(Section):
         "that a passage names too; a pair seen more than 3 times in the shared text is not "
         "one), with this many tokens after it, within recompute_echo_max_share of the load. "
         "The deeper layers read such a passage in the other prompt's context, which the check "
-        "layer's deviation does not show. End to end (semshare-bench, six workloads at 1K and "
-        "2K tokens, 48 targets, SmolLM2-135M), 24 against 0: the pooled perplexity ratio of "
-        "doc-qa hits (1K / 2K) went from 1.026 / 1.027 to 1.010 / 1.008, of rag-qa from 1.055 "
-        "/ 1.003 to 1.026 / 0.980, the gate declined 4 loads instead of 7; the share of doc-qa "
-        "hits rose from 0.08-0.09 to 0.12-0.15 (their 2K speed-up 11.7x to 8.0x) "
+        "layer's deviation does not show. End to end (semshare-bench, six workloads, "
+        "SmolLM2-135M), 24 against 0: at 1K and 2K tokens (48 targets, before the cap) the "
+        "pooled perplexity ratio of doc-qa hits went from 1.026 / 1.027 to 1.010 / 1.008, of "
+        "rag-qa from 1.055 / 1.003 to 1.026 / 0.980, 4 loads were declined instead of 7, the "
+        "share of doc-qa hits rose from 0.08-0.09 to 0.12-0.15 (their 2K speed-up 11.7x to "
+        "8.0x); at 512 (22 targets, capped) doc-qa's ratio went from 1.027 to 1.011 "
         "(docs/benchmarks.md, echoes). 0: off.",
         minimum=0,
         maximum=4096,
