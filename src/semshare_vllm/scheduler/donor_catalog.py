@@ -7,7 +7,8 @@ from semshare_vllm.catalog.donor_index import DonorIndex, DonorRecord
 from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 
-# One escalated load can be an unlucky target; a donor two targets found short is demoted.
+# One escalated load can be an unlucky target; a donor two loads found short is demoted (two
+# targets, or one prompt sent twice: ``report_escalation``).
 ESCALATIONS_TO_DEMOTE = 2
 
 
