@@ -446,9 +446,9 @@ def echo_spans(
     def inside(s: int) -> np.ndarray:  # the span's longer, the mask's larger: a binary search
         return _covered(echoes, 2 + s, n) & in_load
 
-    lo, hi = span, span + 1  # the longest span that fits lies in [lo, hi)
+    lo = span  # the longest span that fits
     if int(inside(span).sum()) > budget:
-        lo, hi = -1, span  # -1: not even the pairs
+        lo, hi = -1, span  # it lies in [lo, hi); -1: not even the pairs
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if int(inside(mid).sum()) <= budget else (lo, mid)

@@ -6,6 +6,7 @@ from support.tokens import random_id_list as tokens
 
 from semshare_vllm.alignment import AlignParams, align, with_echoes
 from semshare_vllm.alignment.echoes import MAX_REPEATS, echo_starts
+from semshare_vllm.config import SemShareConfig
 from semshare_vllm.recompute.policy import always_recompute, echo_spans
 from semshare_vllm.scheduler.planner import Aligner, plan_claim
 
@@ -161,8 +162,6 @@ def test_past_their_share_of_the_load_every_echo_s_span_is_shortened_alike():
 
 
 def test_the_plan_caps_the_echoes_share_as_configured():
-    from semshare_vllm.config import SemShareConfig
-
     target, donor, at_t, at_d = prompts()
     al = with_echoes(align(target, donor, AlignParams(stages=("exact",))), target, donor)
     end = len(target) - 1
