@@ -48,8 +48,8 @@ class DonorRecord:
     deviation_reports: int = 0
     deviation: float = 0.0
     demoted: bool = False
-    escalations: int = 0  # loads from it the recompute gate had to widen
-    # their targets (``Served.target``): a continuation scored on one counts no more
+    escalations: int = 0  # prompts whose load from it the recompute gate widened or declined
+    # those prompts (``Served.target``): it is not offered to them again (``DonorCatalog``)
     escalated_targets: set[int] = field(default_factory=set, repr=False)
 
     @property

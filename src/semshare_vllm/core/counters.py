@@ -103,8 +103,10 @@ COUNTERS: dict[str, str] = {
     "then every one)",
     "recompute_declined": "repairs the gate would have widened past recompute_decline_share: "
     "declined, their tokens computed by vLLM (reported as failed loads)",
-    "donors_demoted_by_escalation": "donors no longer offered because loads from them kept "
-    "needing escalation",
+    "prompts_withheld_a_donor": "prompts a donor is no longer offered to: their load from it "
+    "escalated at the recompute gate or was declined (vLLM computes them when sent again)",
+    "donors_demoted_by_escalation": "donors no longer offered because loads from them into "
+    "two prompts escalated or were declined",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
     "deviation of the loaded tokens at the policy's check layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",

@@ -49,7 +49,6 @@ from semshare_vllm.scheduler.planner import Aligner, SemanticPlan
 from semshare_vllm.scheduler.provenance import Provenance
 from semshare_vllm.scheduler.request_params import (
     claim_limit,
-    reusable_prompt,
     reuse_limit,
     reuse_mode,
     wants_prompt_logprobs,
@@ -233,6 +232,10 @@ class SemShareScheduler:
         if self.search is not None:
             self.search.absorb_embeddings()
         match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
+        if match is not None and self.catalog.withholds(
+            self.index.get(match.key), state.served_prompt(request)
+        ):
+            match = None  # (only a repaired exact load escalates: recompute_policy "all")
         limit = claim_limit(request, self.geometry.block_size)
         end = min(match.num_tokens, limit) if match is not None else 0
         claim = end - num_computed_tokens
@@ -300,9 +303,7 @@ class SemShareScheduler:
         served.tokens, served.donor = spec.num_tokens, spec.key
         served.policy, served.seq = spec.policy, spec.seq
         if spec.policy != "none":  # a repair the gate may escalate (``report_escalation``)
-            prompt = reusable_prompt(request)
-            served.target = hash(tuple(prompt))
-            served.continuation = len(prompt) < request.num_prompt_tokens
+            served.target = state.served_prompt(request)[0]
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")
@@ -593,8 +594,9 @@ class SemShareScheduler:
             self.catalog.drop_bad(key)
         for figures in meta.repairs:
             served = self.provenance.repaired(figures, self.requests)
-            if figures.escalations and served is not None and served.donor is not None:
-                self.catalog.report_escalation(served.donor, served.target, served.continuation)
+            needed_more = figures.escalations or figures.declined
+            if needed_more and served is not None and served.donor is not None:
+                self.catalog.report_escalation(served.donor, served.target)
 
     def take_stats(self) -> dict | None:
         """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,

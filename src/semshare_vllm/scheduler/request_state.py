@@ -14,6 +14,7 @@ from semshare_vllm.discovery.service import Lookup
 from semshare_vllm.discovery.vector_index import Candidate
 from semshare_vllm.metadata import RepairReport
 from semshare_vllm.scheduler.planner import SemanticPlan
+from semshare_vllm.scheduler.request_params import served_prompt
 
 
 @dataclass
@@ -57,11 +58,9 @@ class Served:
     seq: int | None = None  # the load's LoadSpec.seq
     repair: RepairReport | None = None  # the worker's figures of that load, once reported
     vllm_cached_tokens: int | None = None  # vLLM's own prefix-cache hit (None: not known)
-    # which prompt the load served (a hash of ``reusable_prompt``), and whether the request
-    # only scores a continuation of it (a reuse limit before its end): such a request's
-    # escalation is that prompt's again, not another target's (``report_escalation``)
+    # which prompt the load served (``request_params.served_prompt``): a prompt whose load
+    # escalated is withheld that donor (``DonorCatalog.report_escalation``)
     target: int | None = None
-    continuation: bool = False
 
 
 @dataclass
@@ -90,6 +89,13 @@ class RequestState:
     align_wait_ms: float = 0.0
     # the connector resets before it arrived: live at a later one, it is no donor
     epoch: int = 0
+    _served_prompt: tuple[int, bool] | None = field(default=None, repr=False)
+
+    def served_prompt(self, request) -> tuple[int, bool]:
+        """``request_params.served_prompt``, hashed once per request."""
+        if self._served_prompt is None:
+            self._served_prompt = served_prompt(request)
+        return self._served_prompt
 
     def drop_job(self) -> None:
         if self.job is not None:

@@ -119,12 +119,11 @@ class SemanticSearch:
             self.stats.add("lookups_without_shared_grams")
         if lookup.too_long_to_embed:
             self.stats.add("lookups_too_long_to_embed")
-        namespace = namespace_of(request)
-        valid = []
-        for c in lookup.candidates:  # re-check: the donor may have gone while we searched
-            record = self.catalog.index.get(c.key)
-            if record is not None and record.key.namespace == namespace and not record.demoted:
-                valid.append(c)
+        valid = [  # re-check: the donor may have gone while we searched
+            c
+            for c in lookup.candidates
+            if self._offerable(self.catalog.index.get(c.key), request, state)
+        ]
         if valid:
             state.found = SemanticMatch(valid, lookup)
             self.stats.add("semantic_found")
@@ -162,9 +161,7 @@ class SemanticSearch:
             if waiting is not False:
                 return waiting
         key, al = state.aligned
-        index = self.catalog.index
-        record = index.get(key)
-        if record is None or record.demoted or key.namespace != namespace_of(request):
+        if not self._offerable(self.catalog.index.get(key), request, state):
             state.aligned = None
             return None
         if (
@@ -182,6 +179,16 @@ class SemanticSearch:
             c.recompute_tail,
             c.recompute_echo_span,
             c.recompute_echo_max_share,
+        )
+
+    def _offerable(self, record: DonorRecord | None, request, state: RequestState) -> bool:
+        """The donor is still there, in the request's namespace, not demoted, and not withheld
+        from its prompt (``DonorCatalog.withholds``)."""
+        return (
+            record is not None
+            and record.key.namespace == namespace_of(request)
+            and not record.demoted
+            and not self.catalog.withholds(record, state.served_prompt(request))
         )
 
     def _align(self, request, state: RequestState, num_computed: int):

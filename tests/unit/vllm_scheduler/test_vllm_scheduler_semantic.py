@@ -7,7 +7,7 @@ import pytest
 from support.vllm_engine_core import EngineCore, engine_config
 from vllm.v1.outputs import KVConnectorOutput
 
-from semshare_vllm.metadata import SemShareWorkerMetadata
+from semshare_vllm.metadata import RepairReport, SemShareWorkerMetadata
 from semshare_vllm.testbed.models import smollm2_tokenizer
 from semshare_vllm.testbed.text import wiki_document
 
@@ -90,5 +90,31 @@ def test_a_semantic_hit_preempted_and_resumed_still_says_a_donor_served_it(promp
     assert figures["preemptions"] == 1
     assert figures["served"] == "semantic" and figures["donor"] is not None
     assert figures["semantic_tokens"] == load.num_tokens
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_a_target_whose_load_escalated_is_computed_when_sent_again(prompts):
+    """The gate escalated the target's load: sent again, the target is not served from that
+    donor (its load would escalate again) but computed by vLLM and captured, a donor of its own;
+    the donor is not demoted (it was, when the same target had escalated twice)."""
+    core, key = core_with_embedded_donor(prompts[0], prefix_caching=True)
+    first = core.add(core.request(prompts[1]))
+    out = core.step_until(lambda out: first.request_id in out.num_scheduled_tokens)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.key == key and load.donor_pos is not None
+    report = RepairReport(first.request_id, load.seq, 0.3, 0.1, 0.01, 0.03, escalations=1)
+    core.step(KVConnectorOutput(kv_connector_worker_meta=SemShareWorkerMetadata(repairs=[report])))
+    core.run_to_end(first)
+    assert core.finished[first.request_id][1]["semshare_provenance"]["escalations"] == 1
+
+    again = core.add(core.request(prompts[1]))
+    out = core.step_until(lambda out: again.request_id in out.num_scheduled_tokens)
+    assert not out.kv_connector_metadata.loads
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    core.capture(again)  # exact KV: kept as a donor
+    assert not core.ours.index.get(key).demoted
+    totals = core.ours.stats.totals
+    assert totals["prompts_withheld_a_donor"] == 1 and totals["semantic_hits"] == 1
     core.connector.shutdown()
     core.assert_empty()
