@@ -59,16 +59,13 @@ def reference(references):
 @pytest.fixture(scope="module", autouse=True)
 def _donors_stay_offered():
     """The module's tests are served by the same donor, the same target again and again, and
-    its loads may escalate (the gate test makes them): the donor would be withheld from that
-    target after one, and demoted after two, which would end the tests after it. Both have
-    their own tests (tests/unit/scheduler/test_provenance.py)."""
-    from semshare_vllm.scheduler import donor_catalog
+    its loads may escalate or be declined (the gate test makes them): the donor would then be
+    withheld from that target, which would end the tests after it. Withholding and demotion
+    have their own tests (tests/unit/scheduler/test_withheld_donors.py)."""
+    from semshare_vllm.catalog.donor_index import DonorRecord
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(donor_catalog, "ESCALATIONS_TO_DEMOTE", 10**9)
-        patch.setattr(
-            donor_catalog.DonorCatalog, "withholds", staticmethod(lambda record, prompt: False)
-        )
+        patch.setattr(DonorRecord, "withheld", lambda record, digest, scoring: False)
         yield
 
 

@@ -59,8 +59,10 @@ class RecomputeConfig(Section):
         "Adaptive: where the check layer's choice, or the gate's escalation, would recompute "
         "more than this share of the loaded tokens, the load is declined instead and vLLM "
         "computes the prompt (counted as recompute_declined; the request is served as cold). "
-        "Past about half the tokens, the recompute costs more than vLLM's own prefill. 1.0: "
-        "escalate up to every token in the recompute.",
+        "Like an escalation, a decline withholds that donor from that prompt from then on, and "
+        "a donor two prompts needed more from is demoted. Past about half the tokens, the "
+        "recompute costs more than vLLM's own prefill. 1.0: escalate up to every token in the "
+        "recompute.",
         minimum=0.0,
         maximum=1.0,
     )

@@ -232,10 +232,6 @@ class SemShareScheduler:
         if self.search is not None:
             self.search.absorb_embeddings()
         match = self.index.longest_prefix(namespace_of(request), request.all_token_ids)
-        if match is not None and self.catalog.withholds(
-            self.index.get(match.key), state.served_prompt(request)
-        ):
-            match = None  # (only a repaired exact load escalates: recompute_policy "all")
         limit = claim_limit(request, self.geometry.block_size)
         end = min(match.num_tokens, limit) if match is not None else 0
         claim = end - num_computed_tokens
@@ -303,7 +299,7 @@ class SemShareScheduler:
         served.tokens, served.donor = spec.num_tokens, spec.key
         served.policy, served.seq = spec.policy, spec.seq
         if spec.policy != "none":  # a repair the gate may escalate (``report_escalation``)
-            served.target = state.served_prompt(request)[0]
+            served.target = state.served_prompt(request).digest
         if isinstance(offer, SemanticPlan):
             state.aligned, state.approximate = None, True
             self.stats.add("semantic_hits")

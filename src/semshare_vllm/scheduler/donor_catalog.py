@@ -8,8 +8,8 @@ from semshare_vllm.core.counters import StatsRecorder
 from semshare_vllm.core.keys import DonorKey
 
 # One prompt that needs more than the repair can be an unlucky one (it alone loses the donor:
-# ``withholds``); a donor that two prompts found short is demoted (``report_escalation``).
-ESCALATIONS_TO_DEMOTE = 2
+# ``DonorRecord.withheld``); a donor that two prompts found short is demoted.
+PROMPTS_TO_DEMOTE = 2
 
 
 class DonorCatalog:
@@ -57,35 +57,25 @@ class DonorCatalog:
 
     def report_escalation(self, key: DonorKey, target: int | None) -> None:
         """A load from donor ``key`` into ``target`` (``Served.target``) needed the recompute
-        gate's escalation, or was declined: the donor is withheld from that prompt from now on
-        (``withholds``), and once ``ESCALATIONS_TO_DEMOTE`` prompts needed it, demoted (no
-        longer offered by discovery; the ``divergence`` eviction policy evicts it first). One
-        prompt counts once: its copies served before the first one's figures came back, and a
-        request scoring its continuation (semshare-bench's scoring request), are that prompt
-        again, not more evidence against the donor."""
+        gate's escalation, or was declined: the donor is withheld from that prompt while this
+        process keeps its record (``DonorRecord.withheld``), and once ``PROMPTS_TO_DEMOTE``
+        prompts needed it, demoted (no longer offered by discovery; the ``divergence`` eviction
+        policy evicts it first). One prompt counts once: its copies served before the first
+        one's figures came back, and a request scoring its continuation (semshare-bench's
+        scoring request), are that prompt again, not more evidence against the donor."""
         record = self.index.get(key)
         if record is None or record.demoted:
             return
         if target is not None:
-            if target in record.escalated_targets:
+            if target in record.withheld_from:
                 return
-            record.escalated_targets.add(target)
+            record.withheld_from.add(target)
             self.stats.add("prompts_withheld_a_donor")
         record.escalations += 1
-        if record.escalations >= ESCALATIONS_TO_DEMOTE:
+        if record.escalations >= PROMPTS_TO_DEMOTE:
             self.index.demote(key)
             self.stats.add("donors_demoted_by_escalation")
             self.changed = True
-
-    @staticmethod
-    def withholds(record: DonorRecord | None, prompt: tuple[int, bool]) -> bool:
-        """Whether ``record`` is kept from a request serving ``prompt`` (``served_prompt``):
-        that prompt's load from it escalated or was declined, and would again (sent again
-        through ``vllm serve``, a target escalated at each load); vLLM computes it instead, and
-        keeps it as a donor of its own. A request scoring the prompt's continuation still gets
-        the donor: it measures what served the prompt."""
-        target, continuation = prompt
-        return record is not None and not continuation and target in record.escalated_targets
 
     def set_embedding(self, key: DonorKey, serial: int, embedding, fingerprint: int) -> bool:
         """Make the donor searchable (False: that registration is gone meanwhile)."""

@@ -66,13 +66,6 @@ def reusable_prompt(request) -> list[int]:
     return list(request.all_token_ids[: reusable_length(request)])
 
 
-def served_prompt(request) -> tuple[int, bool]:
-    """Which prompt a load into the request serves (a hash of ``reusable_prompt``), and whether
-    the request only scores a continuation of it (a reuse limit before the prompt's end)."""
-    prompt = reusable_prompt(request)
-    return hash(tuple(prompt)), len(prompt) < request.num_prompt_tokens
-
-
 def reusable_length(request) -> int:
     """How many tokens ``reusable_prompt`` holds."""
     limit = reuse_limit(request)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from semshare_vllm.alignment import Alignment
 from semshare_vllm.catalog.donor_index import PrefixMatch
@@ -14,7 +15,7 @@ from semshare_vllm.discovery.service import Lookup
 from semshare_vllm.discovery.vector_index import Candidate
 from semshare_vllm.metadata import RepairReport
 from semshare_vllm.scheduler.planner import SemanticPlan
-from semshare_vllm.scheduler.request_params import served_prompt
+from semshare_vllm.scheduler.request_params import reusable_prompt, wants_prompt_logprobs
 
 
 @dataclass
@@ -37,10 +38,20 @@ class DiscoveryJob:
         return 0.0 if self.held is None else (time.monotonic() - self.asked) * 1e3
 
 
+class ServedPrompt(NamedTuple):
+    """Which prompt a load into a request serves: a donor whose load into that prompt needed
+    more than its repair is withheld from it (``DonorRecord.withheld_from``)."""
+
+    digest: int  # a hash of ``reusable_prompt``
+    # the request scores a continuation of that prompt (prompt logprobs past its reuse limit,
+    # semshare-bench's scoring request): it measures what served the prompt, and gets the same
+    scoring: bool
+
+
 @dataclass
 class SemanticMatch:
     """Donors discovery found for a request (valid when found: present, same namespace, not
-    demoted), best first, and the request's own embedding."""
+    demoted, not withheld from its prompt), best first, and the request's own embedding."""
 
     candidates: list[Candidate]
     lookup: Lookup
@@ -58,8 +69,8 @@ class Served:
     seq: int | None = None  # the load's LoadSpec.seq
     repair: RepairReport | None = None  # the worker's figures of that load, once reported
     vllm_cached_tokens: int | None = None  # vLLM's own prefix-cache hit (None: not known)
-    # which prompt the load served (``request_params.served_prompt``): a prompt whose load
-    # escalated is withheld that donor (``DonorCatalog.report_escalation``)
+    # which prompt the load served (``ServedPrompt.digest``): a donor whose load into it
+    # escalated or was declined is withheld from it (``DonorCatalog.report_escalation``)
     target: int | None = None
 
 
@@ -89,12 +100,14 @@ class RequestState:
     align_wait_ms: float = 0.0
     # the connector resets before it arrived: live at a later one, it is no donor
     epoch: int = 0
-    _served_prompt: tuple[int, bool] | None = field(default=None, repr=False)
+    _served_prompt: ServedPrompt | None = field(default=None, repr=False)
 
-    def served_prompt(self, request) -> tuple[int, bool]:
-        """``request_params.served_prompt``, hashed once per request."""
+    def served_prompt(self, request) -> ServedPrompt:
+        """The request's ``ServedPrompt``, hashed once (its prompt and parameters are fixed)."""
         if self._served_prompt is None:
-            self._served_prompt = served_prompt(request)
+            prompt = reusable_prompt(request)
+            scoring = wants_prompt_logprobs(request) and len(prompt) < request.num_prompt_tokens
+            self._served_prompt = ServedPrompt(hash(tuple(prompt)), scoring)
         return self._served_prompt
 
     def drop_job(self) -> None:

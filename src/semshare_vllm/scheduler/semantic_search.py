@@ -183,12 +183,12 @@ class SemanticSearch:
 
     def _offerable(self, record: DonorRecord | None, request, state: RequestState) -> bool:
         """The donor is still there, in the request's namespace, not demoted, and not withheld
-        from its prompt (``DonorCatalog.withholds``)."""
+        from its prompt (``DonorRecord.withheld``)."""
         return (
             record is not None
             and record.key.namespace == namespace_of(request)
             and not record.demoted
-            and not self.catalog.withholds(record, state.served_prompt(request))
+            and not record.withheld(*state.served_prompt(request))
         )
 
     def _align(self, request, state: RequestState, num_computed: int):
@@ -196,10 +196,10 @@ class SemanticSearch:
         ``WAIT`` or None (no alignment to use)."""
         if state.job is None:
             index = self.catalog.index
-            donors = [
+            donors = [  # (a copy of its prompt may have escalated since the search)
                 (c.key, list(index.get(c.key).token_ids))
                 for c in state.found.candidates
-                if index.get(c.key) is not None
+                if self._offerable(index.get(c.key), request, state)
             ]
             if not donors:
                 return None

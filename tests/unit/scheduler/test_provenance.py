@@ -7,7 +7,6 @@ histograms observed from the same figures."""
 from dataclasses import replace
 from types import SimpleNamespace
 
-import pytest
 from support.scheduler import Blocks, finish, geometry, request
 
 from semshare_vllm.config import SemShareConfig
@@ -225,29 +224,19 @@ def test_a_fault_building_the_provenance_never_costs_the_capture(monkeypatch):
     assert s.stats.totals["fallbacks"] == 1
 
 
-def repaired(s, r, load, **figures):
-    """The worker reports ``r``'s load repaired (``figures``: the gate's, e.g. escalations)."""
-    report = RepairReport(r.request_id, load.seq, 0.6, 0.1, 0.01, 0.03, **figures)
-    s.update_connector_output(output([report]))
-
-
-def uncaptured_scheduler():
-    """A scheduler whose only donor is DONOR: every load below comes from it."""
-    s = scheduler(recompute_policy="all")
-    s.config = replace(s.config, capture=False)
-    return s
-
-
 def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted():
     """The gate's figures reach the provenance; loads into two prompts from one donor that the
     gate had to widen demote it (no longer offered by discovery)."""
-    s = uncaptured_scheduler()
+    s = scheduler(recompute_policy="all")
+    s.config = replace(s.config, capture=False)  # every load from DONOR, none from a request
     key = None
     for i in range(2):
         r, load = admit(s, f"t{i}", DONOR[:150] + [i])
         key = load.key
         assert not s.index.get(key).demoted
-        repaired(s, r, load, escalations=1)
+        s.update_connector_output(
+            output([RepairReport(f"t{i}", load.seq, 0.6, 0.1, 0.01, 0.03, escalations=1)])
+        )
         got = end(s, r)[1][KEY]
         assert got["escalations"] == 1 and got["gate_residual"] == 0.03
     assert s.index.get(key).demoted and s.index.get(key).escalations == 2
@@ -257,69 +246,3 @@ def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted
     for _ in range(3):
         other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
     assert "donors_demoted_by_escalation" not in other.stats.totals
-
-
-@pytest.mark.parametrize(
-    "figures", [{"escalations": 1}, {"escalations": 1, "declined": True}, {"declined": True}]
-)
-def test_a_prompt_whose_load_escalated_is_computed_when_sent_again(figures):
-    """Its load from that donor would escalate (or be declined) again: the donor is withheld
-    from that prompt only (vLLM computes it, and keeps it as a donor of its own) and goes on
-    serving other prompts. Before, the same prompt sent twice demoted the donor for every
-    prompt (seen through ``vllm serve``: a resent target escalated at each of its loads); and a
-    load declined at the check layer (no escalation) counted for nothing."""
-    s = uncaptured_scheduler()
-    prompt = DONOR[:150] + [5]
-    r, load = admit(s, "t0", prompt)
-    repaired(s, r, load, **figures)
-    end(s, r)
-    again, load = admit(s, "t1", prompt)
-    assert load is None  # computed by vLLM
-    end(s, again)
-    assert s.stats.totals["prompts_withheld_a_donor"] == 1
-    other, load = admit(s, "o", DONOR[:150] + [6])
-    assert load is not None and not s.index.get(load.key).demoted  # other prompts: served
-    # a second prompt needing more than the repair: the donor is demoted
-    repaired(s, other, load, **figures)
-    end(s, other)
-    assert s.index.get(load.key).demoted
-    assert s.stats.totals["donors_demoted_by_escalation"] == 1
-
-
-def test_copies_of_one_prompt_in_flight_escalating_count_once():
-    """Copies of a prompt served before the first one's figures came back: one prompt, not a
-    donor that many prompts find short."""
-    s = uncaptured_scheduler()
-    prompt = DONOR[:150] + [5]
-    loads = [admit(s, f"t{i}", prompt) for i in range(3)]
-    for r, load in loads:
-        repaired(s, r, load, escalations=1)
-        end(s, r)
-    assert not s.index.get(loads[0][1].key).demoted
-    assert s.stats.totals["prompts_withheld_a_donor"] == 1
-    assert "donors_demoted_by_escalation" not in s.stats.totals
-
-
-def test_a_scored_continuation_is_still_served_from_the_donor_its_prompt_escalated_on():
-    """A request scoring a prompt's continuation (semshare-bench's scoring request: searched,
-    aligned and repaired as the prompt it scores) measures what served that prompt: it is
-    still served from the donor, and its escalation is not another prompt's (seen demoting a
-    donor after one rag-qa target, so that the group's next target missed). The prompt itself
-    sent again is computed."""
-    s = uncaptured_scheduler()
-    prompt = DONOR[:150] + [5]
-    twin = request("twin", prompt + [9, 9, 9])
-    twin.kv_transfer_params = {"semshare_reuse_limit": len(prompt) - 1}
-    key = None
-    for i, r in enumerate((request("t0", prompt), twin, request("t2", prompt))):
-        claim, _ = s.get_num_new_matched_tokens(r, 0)
-        s.update_state_after_alloc(r, Blocks(list(range(10, 17))), claim)
-        loads = s.build_connector_meta(None).loads
-        assert len(loads) == (i < 2), i
-        if loads:
-            key = loads[0].key
-            repaired(s, r, loads[0], escalations=1)
-        end(s, r)
-    assert not s.index.get(key).demoted
-    assert s.index.get(key).escalations == 1
-    assert "donors_demoted_by_escalation" not in s.stats.totals
