@@ -55,7 +55,7 @@ def repaired(s, r, spec, **figures):
     s.request_finished(r, list(range(10, 17)))
 
 
-def digest(s, r) -> int:
+def digest(r) -> int:
     return RequestState(r.request_id).served_prompt(r).digest
 
 
@@ -72,9 +72,9 @@ def test_a_prompt_that_needed_more_than_the_repair_is_withheld_the_donor(s, figu
     spec = load(s, r)
     repaired(s, r, spec, **figures)
     record = s.index.get(spec.key)
-    assert record.withheld(digest(s, r), scoring=False)
-    assert not record.withheld(digest(s, r), scoring=True)  # its scoring request: served
-    assert not record.withheld(digest(s, request("o", DONOR[:150] + [6])), scoring=False)
+    assert record.withheld(digest(r), scoring=False)
+    assert not record.withheld(digest(r), scoring=True)  # its scoring request: served
+    assert not record.withheld(digest(request("o", DONOR[:150] + [6])), scoring=False)
     assert not record.demoted and s.stats.totals["prompts_withheld_a_donor"] == 1
 
     other = request("o", DONOR[:150] + [6])
