@@ -49,16 +49,19 @@ class DonorRecord:
     deviation: float = 0.0
     demoted: bool = False
     escalations: int = 0  # prompts whose load from it the recompute gate widened or declined
-    # those prompts' digests (``ServedPrompt``): it is not offered to them again
-    withheld_from: set[int] = field(default_factory=set, repr=False)
+    # those prompts' digests (``ServedPrompt``), each with whether its load was declined: it
+    # is not offered to them again
+    withheld_from: dict[int, bool] = field(default_factory=dict, repr=False)
 
     def withheld(self, digest: int, scoring: bool) -> bool:
         """Whether the donor is kept from a request serving the prompt of ``digest``
         (``ServedPrompt``): that prompt's load from it escalated or was declined, and would
         again (sent again through ``vllm serve``, a target escalated at each load); vLLM computes
         it instead, and keeps it as a donor of its own. A request scoring that prompt's
-        continuation still gets the donor: it measures what served the prompt."""
-        return not scoring and digest in self.withheld_from
+        continuation measures what served the prompt: the donor where its load escalated (and
+        was served), vLLM's own computation where it was declined."""
+        declined = self.withheld_from.get(digest)
+        return declined is not None and (declined or not scoring)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -592,7 +592,7 @@ class SemShareScheduler:
             served = self.provenance.repaired(figures, self.requests)
             needed_more = figures.escalations or figures.declined
             if needed_more and served is not None and served.donor is not None:
-                self.catalog.report_escalation(served.donor, served.target)
+                self.catalog.report_escalation(served.donor, served.target, figures.declined)
 
     def take_stats(self) -> dict | None:
         """The interval's counts, for vLLM's stats. vLLM asks once per ``update_from_output``,

@@ -55,7 +55,7 @@ class DonorCatalog:
         self.evict(self.index.report_deviation(key, deviation))
         self.changed = True
 
-    def report_escalation(self, key: DonorKey, target: int | None) -> None:
+    def report_escalation(self, key: DonorKey, target: int | None, declined: bool) -> None:
         """A load from donor ``key`` into ``target`` (``Served.target``) needed the recompute
         gate's escalation, or was declined: the donor is withheld from that prompt while this
         process keeps its record (``DonorRecord.withheld``), and once ``PROMPTS_TO_DEMOTE``
@@ -68,8 +68,10 @@ class DonorCatalog:
             return
         if target is not None:
             if target in record.withheld_from:
+                # a copy, or a scoring request, declined: withheld from its scoring too
+                record.withheld_from[target] |= declined
                 return
-            record.withheld_from.add(target)
+            record.withheld_from[target] = declined
             self.stats.add("prompts_withheld_a_donor")
         record.escalations += 1
         if record.escalations >= PROMPTS_TO_DEMOTE:

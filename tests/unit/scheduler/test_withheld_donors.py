@@ -66,14 +66,17 @@ def digest(r) -> int:
 )
 def test_a_prompt_that_needed_more_than_the_repair_is_withheld_the_donor(s, figures):
     """Sent again, its load would escalate (or be declined) again: the donor is withheld from
-    that prompt only, and demoted once a second prompt needed more. Before, a check layer's
-    decline (no escalation) counted for nothing."""
+    that prompt only, and demoted once a second prompt needed more. A request scoring the
+    prompt's continuation measures what served it: the donor where the load escalated, vLLM's
+    own computation where it was declined (seen in semshare-bench: a declined target's scoring
+    request loaded the donor and was declined again). Before, a check layer's decline (no
+    escalation) counted for nothing."""
     r = request("t0", PROMPT)
     spec = load(s, r)
     repaired(s, r, spec, **figures)
     record = s.index.get(spec.key)
     assert record.withheld(digest(r), scoring=False)
-    assert not record.withheld(digest(r), scoring=True)  # its scoring request: served
+    assert record.withheld(digest(r), scoring=True) == figures.get("declined", False)
     assert not record.withheld(digest(request("o", DONOR[:150] + [6])), scoring=False)
     assert not record.demoted and s.stats.totals["prompts_withheld_a_donor"] == 1
 
