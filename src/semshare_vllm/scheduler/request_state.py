@@ -44,7 +44,8 @@ class ServedPrompt(NamedTuple):
 
     digest: int  # a hash of ``reusable_prompt``
     # the request scores a continuation of that prompt (prompt logprobs past its reuse limit,
-    # semshare-bench's scoring request): it measures what served the prompt, and gets the same
+    # semshare-bench's scoring request): it measures what served the prompt
+    # (``DonorRecord.withheld``)
     scoring: bool
 
 
