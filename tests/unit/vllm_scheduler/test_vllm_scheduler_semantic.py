@@ -3,6 +3,8 @@ common prefix) waits for its donor search (vLLM re-asks), is claimed, and vLLM a
 the worker's load carries the alignment, its blocks never serve vLLM's exact prefix cache, and
 the request is never captured. Real text, the real MiniLM embedder and aligner."""
 
+import threading
+
 import pytest
 from support.vllm_engine_core import EngineCore, engine_config
 from vllm.v1.outputs import KVConnectorOutput
@@ -134,5 +136,48 @@ def test_a_target_whose_load_escalated_is_computed_when_sent_again(prompts):
     core.capture(again)  # exact KV: kept as a donor
     assert not core.ours.index.get(key).demoted
     assert totals["semantic_hits"] == 3 and totals["prompts_withheld_a_donor"] == 1
+    core.connector.shutdown()
+    core.assert_empty()
+
+
+def test_a_donor_withheld_while_the_prompt_aligns_is_not_loaded(prompts):
+    """A copy of the target arrives while the first copy's load is in flight, finds the donor,
+    and is being aligned to it when the first copy's escalation comes back: the donor is now
+    withheld from that prompt, and the plan made from the finished alignment must say so
+    (``SemanticSearch.plan``'s re-check; the search's and the alignment's own checks ran
+    before the report came). The copy is computed by vLLM."""
+    core, key = core_with_embedded_donor(prompts[0], prefix_caching=True)
+    first = core.add(core.request(prompts[1], max_tokens=30))
+    out = core.step_until(lambda out: first.request_id in out.num_scheduled_tokens)
+    (spec,) = out.kv_connector_metadata.loads
+    assert spec.key == key and spec.donor_pos is not None
+
+    search = core.ours.search
+    aligner, release, started = search.aligner, threading.Event(), threading.Event()
+
+    class HeldAligner:  # the real aligner, held until the report is in
+        def best(self, *args, **kwargs):
+            started.set()
+            assert release.wait(60)
+            return aligner.best(*args, **kwargs)
+
+    search.aligner = HeldAligner()
+    copy = core.add(core.request(prompts[1], max_tokens=30))
+    core.step_until(lambda out: started.is_set())
+    assert core.ours.requests[copy.request_id].job.kind == "align"
+    escalated = RepairReport(first.request_id, spec.seq, 0.3, 0.1, 0.01, 0.03, escalations=1)
+    reported = SemShareWorkerMetadata(repairs=[escalated])
+    core.step(KVConnectorOutput(kv_connector_worker_meta=reported))
+    assert core.ours.stats.totals["prompts_withheld_a_donor"] == 1
+    release.set()
+
+    out = core.step_until(lambda out: copy.request_id in out.num_scheduled_tokens)
+    assert not out.kv_connector_metadata.loads
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert core.ours.stats.totals["semantic_hits"] == 1  # the first copy's only
+    search.aligner = aligner
+    core.run_to_end(first)
+    core.capture(copy)  # exact KV: kept as a donor
+    assert core.finished[copy.request_id][1]["semshare_provenance"]["served"] == "none"
     core.connector.shutdown()
     core.assert_empty()
