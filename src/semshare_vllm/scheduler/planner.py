@@ -127,7 +127,8 @@ class Aligner:
         align(donor + 1000, donor, self.params, self.table, self.splitter)
 
     def prepare(self, key: Hashable, tokens: list[int]) -> None:
-        """Compute a new donor's features ahead of its first hit (background thread)."""
+        """Compute a new donor's features ahead of its first hit (background thread), from
+        the tokens every alignment to it passes too: its prompt (``SemanticSearch._align``)."""
         self._load()
         self._features(key, tokens, compute=True)
 

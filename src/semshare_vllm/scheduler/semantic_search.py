@@ -196,8 +196,11 @@ class SemanticSearch:
         ``WAIT`` or None (no alignment to use)."""
         if state.job is None:
             index = self.catalog.index
-            donors = [  # (a copy of its prompt may have escalated since the search)
-                (c.key, list(index.get(c.key).token_ids))
+            # Aligned to each donor's prompt, as discovery found it and as its features were
+            # prepared (``prepare_alignment``; a feature set is kept per donor, whichever
+            # tokens built it). A copy of the prompt may have escalated since the search.
+            donors = [
+                (c.key, list(index.get(c.key).prompt_token_ids))
                 for c in state.found.candidates
                 if self._offerable(index.get(c.key), request, state)
             ]

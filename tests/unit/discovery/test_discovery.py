@@ -519,6 +519,42 @@ def test_a_donors_alignment_features_are_ready_before_its_embedding_ends():
     assert s.stats.totals["donors_embedded"] == 1
 
 
+def test_a_target_aligns_to_its_donors_prompt_whether_or_not_its_features_were_prepared():
+    """The donor's alignment features are computed ahead from its prompt (``prepare``), but an
+    alignment that found them gone (256 donors kept) built them from the donor's prompt and
+    its output, which the lookup handed in: the same target then aligned its copy of the
+    donor's reply too, or not, by chance. A target aligns to the donor's prompt, as discovery
+    found it, either way."""
+    from semshare_vllm.alignment import AlignParams
+    from semshare_vllm.scheduler.planner import Aligner
+    from semshare_vllm.scheduler.semantic_search import WAIT
+
+    reply = list(range(300, 340))
+    target = [1, 2, 3] + DOC + reply + [4]  # another header, then the donor's prompt and reply
+
+    def donor_positions(prepared: bool) -> list[int]:
+        s, _ = scheduler()
+        aligner = Aligner(AlignParams(stages=("exact",)), None, None)
+        s.search.aligner = aligner
+        finish(s, DOC, outputs=reply + [9])
+        settle(s)
+        assert len(aligner._kept) == 1
+        if not prepared:
+            aligner._kept.clear()  # let go, as the 257th donor would
+        r = request("t", target)
+        s.on_new_request(r)
+        ask(s, r)  # found (a hand-built request gets no semantic claim: no block hasher)
+        state, deadline = s.requests["t"], time.monotonic() + 10
+        while (plan := s.search.plan(r, state, 0, 0, True)) is WAIT:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        return plan.donor_pos
+
+    prepared = donor_positions(True)
+    assert donor_positions(False) == prepared
+    assert prepared[3:203] == list(range(200)) and max(prepared) < len(DOC)
+
+
 def test_in_a_burst_every_donor_is_prepared_first_and_the_newest_embedded_first():
     """Donor work ran in arrival order: a donor's alignment features (a tenth of a second at
     4K) waited behind the embeddings (seconds each) of every donor before it, so a target found
