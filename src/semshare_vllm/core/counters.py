@@ -108,7 +108,7 @@ COUNTERS: dict[str, str] = {
     "donors_demoted_by_escalation": "donors no longer offered because loads from them into "
     "two prompts escalated or were declined",
     "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
-    "deviation of the loaded tokens at the policy's check layer)",
+    "deviation of the loaded tokens the donor could serve, at the policy's check layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",
     "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
     "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",

@@ -71,7 +71,9 @@ class Selection:
 
     window = 0  # last tokens whose attention the probe sums (0: no attention probe)
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
-    # policy's first measuring layer: what the load reports as this donor's quality.
+    # policy's first measuring layer, ``always`` left out (an unaligned position holds
+    # whatever its page held, and none of them is ever served from the donor): what the load
+    # reports as this donor's quality (None: no position it could serve).
     measured: float | None = None
     # The same mean once the positions kept there are recomputed (their own KV: deviation 0):
     # what the repair left at that layer, for the request's provenance.
@@ -105,11 +107,14 @@ class Selection:
         """``measured`` and ``residual`` at the first layer that probed deviation; ``keep``:
         the indices into ``probe.positions`` recomputed from there on."""
         if self.measured is None and probe.deviation is not None and len(probe.deviation):
+            servable = ~np.isin(probe.positions, self.always)
+            if not servable.any():
+                return
             deviation = np.sqrt(np.clip(probe.deviation, 0, None))
-            self.measured = float(deviation.mean())
-            left = np.ones(len(deviation), dtype=bool)
+            self.measured = float(deviation[servable].mean())
+            left = servable.copy()
             left[keep] = False
-            self.residual = float(np.where(left, deviation, 0.0).mean())
+            self.residual = float(np.where(left, deviation, 0.0)[servable].mean())
 
     def _keep_top(
         self, probe: LayerProbe, count: int, among: np.ndarray | None = None
@@ -301,7 +306,7 @@ class Adaptive(Selection):
         order = np.argsort(-np.where(forced, -1.0, score), kind="stable")
         self._order = order[~forced[order]]
         self._forced = np.flatnonzero(forced)
-        self.measured = float(score.sum())
+        self.measured = float(score[~forced].sum()) if not forced.all() else None
         count = _first_at_most(_left_after(score[self._order]), self.bound / self.CHECK_TO_GATE)
         n = len(self.candidates)
         count = max(count, int(np.ceil(self.min_share * n)), self.min_tokens)

@@ -62,14 +62,15 @@ def test_semsharekv_splits_hot_and_cold_then_decays():
     cold = [p for p in keep if p not in (3, 7, 19)]
     assert cold == [0, 1, 2, 4]  # 25% of the 17 cold others, by deviation
     assert 19 in keep
-    # what the load reports: the mean deviation at layer 0 (sqrt: the probe's is squared),
-    # and what is left once the kept positions hold their own KV
+    # what the load reports: the mean deviation at layer 0 (sqrt: the probe's is squared) of
+    # the 19 positions the donor could serve (19 is always recomputed), and what is left once
+    # the kept positions hold their own KV
     root = np.sqrt(dev)
-    assert sel.measured == pytest.approx(root.mean())
-    assert sel.residual == pytest.approx(root[np.setdiff1d(loaded, keep)].sum() / 20)
+    assert sel.measured == pytest.approx(root[:19].mean())
+    assert sel.residual == pytest.approx(root[np.setdiff1d(loaded, keep)].sum() / 19)
     second = sel.after_layer(probe(1, keep, np.ones(len(keep))))
     assert len(second) == 1 + int(np.floor(5 * 0.5))  # always + decayed budget
-    assert sel.measured == pytest.approx(root.mean())  # the first measuring layer's only
+    assert sel.measured == pytest.approx(root[:19].mean())  # the first measuring layer's only
 
 
 def adaptive(**kw):
@@ -104,7 +105,7 @@ def checked():
     w[:5] += 0.1
     root = np.full(100, 0.05)
     root[:10] = 0.5
-    assert sel.measured == pytest.approx((w * root).sum())
+    assert sel.measured == pytest.approx((w * root)[:99].sum())  # 99 is always recomputed
     # bound 0.08 at the gate -> 0.01 at the check: 0-9 (the heaviest scores) and no more
     # (the 89 others left: 89 * 0.005 * 0.05 = 0.0223 > 0.01 -> more, by stable order)
     assert set(range(10)) <= set(sel._kept) and 99 in sel._kept
@@ -236,3 +237,35 @@ def test_make_selection_follows_the_config():
     assert SemShareConfig().recompute_policy == "adaptive"
     with pytest.raises(ValueError):
         make_selection("none", loaded, np.array([]), cfg)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "cacheblend", "semsharekv"])
+def test_the_donors_measured_deviation_leaves_out_what_is_always_recomputed(policy):
+    """What a load reports as its donor's deviation (``measured``: the provenance's
+    ``deviation_before``, the divergence eviction policy's input) is about the KV the donor
+    could serve. Positions always recomputed are never served from it, and an unaligned one
+    holds whatever its page held before the load (stale KV, zeros): counted in, that garbage
+    made the figure (0.06 on a 2K reordered-passage load) depend on the pages vLLM handed out."""
+    loaded = np.arange(100)
+    always = np.arange(90, 100)  # unaligned: their "donor KV" is whatever the page held
+    root = np.full(100, 0.05)
+    attention = np.full(100, 0.01)
+
+    def measured(garbage: float) -> tuple[float, float]:
+        dev = root.copy()
+        dev[always] = garbage
+        if policy == "adaptive":
+            sel = adaptive(always=always)
+            sel.after_layer(probe(1, loaded, dev**2, attention))
+        elif policy == "cacheblend":
+            sel = CacheBlend(loaded, always=always, ratio=0.2, check_layer=1)
+            sel.after_layer(probe(1, loaded, dev**2))
+        else:
+            sel = SemShareKV(loaded, always=always)
+            sel.after_layer(probe(0, loaded, dev**2, attention))
+        return sel.measured, sel.residual
+
+    clean, dirty = measured(0.05), measured(1.0)
+    assert dirty == pytest.approx(clean)
+    if policy != "adaptive":  # a mean over the 90 servable positions
+        assert clean[0] == pytest.approx(0.05)
