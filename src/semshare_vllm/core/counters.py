@@ -107,8 +107,9 @@ COUNTERS: dict[str, str] = {
     "escalated at the recompute gate or was declined (vLLM computes them when sent again)",
     "donors_demoted_by_escalation": "donors no longer offered because loads from them into "
     "two prompts escalated or were declined",
-    "deviation_sum": "sum of measured deviations of repaired semantic loads (mean relative K/V "
-    "deviation of the loaded tokens the donor could serve, at the policy's check layer)",
+    "deviation_sum": "sum of measured deviations of repaired semantic loads (their "
+    "deviation_before: relative K/V deviation of the loaded tokens the donor could serve, at "
+    "the policy's measuring layer)",
     "deviation_count": "repaired semantic loads whose deviation was measured",
     "reuse_opt_outs": "requests whose kv_transfer_params turned reuse off or down to exact",
     "reuse_forced": "requests whose kv_transfer_params asked for a semantic donor regardless",
@@ -133,8 +134,9 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0),
     ),
     "served_deviation_before": (
-        "per repaired semantic hit: mean relative K/V deviation of the donor KV from the "
-        "request's own, at the policy's measuring layer, before the repair",
+        "per repaired semantic hit: relative K/V deviation of the donor KV from the "
+        "request's own, at the policy's measuring layer, before the repair (the tokens the "
+        "donor could serve; always-recomputed ones count as recomputed)",
         (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5),
     ),
     "served_deviation_after": (

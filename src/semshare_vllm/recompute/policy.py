@@ -73,10 +73,12 @@ class Selection:
     # Mean relative L2 deviation (0 = the donor KV was right) of the positions probed at the
     # policy's first measuring layer, ``always`` left out (an unaligned position holds
     # whatever its page held, and none of them is ever served from the donor): what the load
-    # reports as this donor's quality (None: no position it could serve).
+    # reports as this donor's quality (None: no position it could serve). ``Adaptive``: the
+    # weighted error the load would carry with only ``always`` recomputed, its ``residual``'s
+    # measure before the choice.
     measured: float | None = None
-    # The same mean once the positions kept there are recomputed (their own KV: deviation 0):
-    # what the repair left at that layer, for the request's provenance.
+    # The same once the positions kept there are recomputed (their own KV: deviation 0): what
+    # the repair left at that layer, for the request's provenance (None with ``measured``).
     residual: float | None = None
 
     def __init__(self, candidates: np.ndarray, always: np.ndarray | None = None):
@@ -321,7 +323,7 @@ class Adaptive(Selection):
         self._kept = np.union1d(self._forced, self._order[:count])
         left = np.ones(len(self.candidates), dtype=bool)
         left[self._kept] = False
-        self.residual = float(self._score[left].sum())
+        self.residual = None if self.measured is None else float(self._score[left].sum())
         self._sentinels = np.zeros(0, dtype=np.int64)
         if self.gate_layer is not None:
             # never one an earlier pass recomputed past the check: its KV there is fresh

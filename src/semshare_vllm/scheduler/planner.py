@@ -138,6 +138,10 @@ class Aligner:
         stale. Used from the lookup and the background thread."""
         with self._lock:
             features = self._kept.pop(key, None)
+        if features is not None and len(features.tokens) != len(tokens):
+            # the same donor with another prompt length: one restored from disk keeps no
+            # prompt length (all its tokens), the same text captured again does
+            features = None
         if features is None:
             features = DonorFeatures(tokens, self.table, self.splitter, self.params.lsh)
             if compute:

@@ -267,5 +267,19 @@ def test_the_donors_measured_deviation_leaves_out_what_is_always_recomputed(poli
 
     clean, dirty = measured(0.05), measured(1.0)
     assert dirty == pytest.approx(clean)
-    if policy != "adaptive":  # a mean over the 90 servable positions
+    if policy == "adaptive":  # the weighted error left with only ``always`` recomputed
+        assert clean[0] == pytest.approx(90 * 0.01 * 0.05)  # (every weight 0.01 here)
+    else:  # a mean over the 90 servable positions
         assert clean[0] == pytest.approx(0.05)
+
+
+def test_a_load_whose_every_position_is_always_recomputed_reports_no_deviation():
+    """Nothing of the donor's KV could be served: no deviation before, none after (not 0.0
+    after a null before)."""
+    loaded = np.arange(20)
+    sel = Adaptive(loaded, always=loaded, bound=0.08, check_layer=1, gate_layer=3)
+    sel.after_layer(probe(1, loaded, np.full(20, 0.01), np.full(20, 0.05)))
+    assert sel.measured is None and sel.residual is None
+    blend = CacheBlend(loaded, always=loaded, ratio=0.2, check_layer=1)
+    blend.after_layer(probe(1, loaded, np.full(20, 0.01)))
+    assert blend.measured is None and blend.residual is None

@@ -84,6 +84,21 @@ def test_aligner_keeps_donor_features_for_recent_donors():
     assert aligner._features("d", donor) is not first  # evicted (LRU, 256 kept)
 
 
+def test_a_donors_features_follow_the_prompt_length_it_is_aligned_by():
+    """One donor id (a hash of its tokens) can come with two prompt lengths: restored from
+    disk it keeps none (all its tokens are its prompt), captured again it does. Features kept
+    from the longer list aligned target tokens past the shorter prompt, where the echoes'
+    search (the donor's pairs) then indexed past its end: a discovery fault, the hit lost."""
+    prompt, reply = tokens(200, 13), tokens(40, 14)
+    target = tokens(5, 15) + prompt + reply + tokens(5, 16)
+    aligner = Aligner(AlignParams(stages=("exact",)), None, None, echoes=True)
+    aligner.prepare("d", prompt + reply)  # restored: every token its prompt
+    _, al = aligner.best(target, 0, [("d", prompt)])  # captured again: the prompt alone
+    assert int(al.donor_pos.max()) == len(prompt) - 1
+    _, al = aligner.best(target, 0, [("d", prompt + reply)])
+    assert int(al.donor_pos.max()) == len(prompt + reply) - 1
+
+
 def test_warming_up_runs_every_alignment_stage(monkeypatch):
     """At start-up the aligner runs each stage once, so the first hit after a server starts
     pays none of their one-time costs (the sentence stage's common directions, the LSH stage's

@@ -147,7 +147,9 @@ def test_a_donor_withheld_while_the_prompt_aligns_is_not_loaded(prompts):
     (``SemanticSearch.plan``'s re-check; the search's and the alignment's own checks ran
     before the report came). The copy is computed by vLLM."""
     core, key = core_with_embedded_donor(prompts[0], prefix_caching=True)
-    first = core.add(core.request(prompts[1], max_tokens=30))
+    # decoding while the copy's search runs (however slow the machine): still live when its
+    # report comes
+    first = core.add(core.request(prompts[1], max_tokens=1000))
     out = core.step_until(lambda out: first.request_id in out.num_scheduled_tokens)
     (spec,) = out.kv_connector_metadata.loads
     assert spec.key == key and spec.donor_pos is not None
@@ -155,29 +157,35 @@ def test_a_donor_withheld_while_the_prompt_aligns_is_not_loaded(prompts):
     search = core.ours.search
     aligner, release, started = search.aligner, threading.Event(), threading.Event()
 
-    class HeldAligner:  # the real aligner, held until the report is in
+    class HeldAligner:  # the real aligner, its alignments held until the report is in
         def best(self, *args, **kwargs):
             started.set()
             assert release.wait(60)
             return aligner.best(*args, **kwargs)
 
+        def __getattr__(self, name):
+            return getattr(aligner, name)
+
     search.aligner = HeldAligner()
-    copy = core.add(core.request(prompts[1], max_tokens=30))
-    core.step_until(lambda out: started.is_set())
-    assert core.ours.requests[copy.request_id].job.kind == "align"
-    escalated = RepairReport(first.request_id, spec.seq, 0.3, 0.1, 0.01, 0.03, escalations=1)
-    reported = SemShareWorkerMetadata(repairs=[escalated])
-    core.step(KVConnectorOutput(kv_connector_worker_meta=reported))
-    assert core.ours.stats.totals["prompts_withheld_a_donor"] == 1
-    release.set()
+    try:
+        copy = core.add(core.request(prompts[1], max_tokens=30))
+        core.step_until(lambda out: started.is_set())
+        assert core.ours.requests[copy.request_id].job.kind == "align"
+        assert not first.is_finished()
+        escalated = RepairReport(first.request_id, spec.seq, 0.3, 0.1, 0.01, 0.03, escalations=1)
+        reported = SemShareWorkerMetadata(repairs=[escalated])
+        core.step(KVConnectorOutput(kv_connector_worker_meta=reported))
+        assert core.ours.stats.totals["prompts_withheld_a_donor"] == 1
+    finally:
+        release.set()
 
     out = core.step_until(lambda out: copy.request_id in out.num_scheduled_tokens)
     assert not out.kv_connector_metadata.loads
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert core.ours.stats.totals["semantic_hits"] == 1  # the first copy's only
     search.aligner = aligner
-    core.run_to_end(first)
     core.capture(copy)  # exact KV: kept as a donor
+    core.run_to_end(first, max_steps=1100)
     assert core.finished[copy.request_id][1]["semshare_provenance"]["served"] == "none"
     core.connector.shutdown()
     core.assert_empty()
