@@ -134,8 +134,9 @@ class Aligner:
 
     def _features(self, key: Hashable, tokens: list[int], compute: bool = False) -> DonorFeatures:
         """The donor's side of alignments (LSH codes, sentence vectors), kept for the most
-        recently used donors: a donor id is a hash of its tokens, so an entry never goes
-        stale. Used from the lookup and the background thread."""
+        recently used donors: a donor id is a hash of its tokens, so an entry goes stale only
+        where the same id comes with another prompt length (below). Used from the lookup and
+        the background thread."""
         with self._lock:
             features = self._kept.pop(key, None)
         if features is not None and len(features.tokens) != len(tokens):

@@ -197,8 +197,8 @@ class SemanticSearch:
         if state.job is None:
             index = self.catalog.index
             # Aligned to each donor's prompt, as discovery found it and as its features were
-            # prepared (``prepare_alignment``; a feature set is kept per donor, whichever
-            # tokens built it). A copy of the prompt may have escalated since the search.
+            # prepared (``prepare_alignment``). A copy of the prompt may have escalated since
+            # the search.
             donors = [
                 (c.key, list(index.get(c.key).prompt_token_ids))
                 for c in state.found.candidates
