@@ -28,6 +28,8 @@ class CaptureSpec:
     key: DonorKey
     token_ids: list[int]
     block_ids: list[int]
+    # how many of token_ids were the request's prompt (None: all): kept with a persisted donor
+    num_prompt_tokens: int | None = None
 
 
 @dataclass

@@ -48,4 +48,4 @@ def donor_for(
         block_hashes(token_ids, bs),
         num_prompt_tokens=min(request.num_prompt_tokens, n),
     )
-    return record, CaptureSpec(request.request_id, key, token_ids, blocks)
+    return record, CaptureSpec(request.request_id, key, token_ids, blocks, record.num_prompt_tokens)

@@ -3,7 +3,8 @@
 ``<persist_dir>/<fingerprint>/<donor_id>.tp<rank>of<size>.safetensors`` holds one tensor
 ``pages`` of shape ``[layers, blocks, kv_heads, block_size, 2 * head_size]``: the donor's KV pages
 exactly as the attention backend laid them out (so loading is a page copy), and string metadata:
-namespace, token ids, layer names, the page layout's name, a blake2b checksum of the tensor bytes.
+namespace, token ids, how many of them were the prompt (absent in files written before it was
+kept: all), layer names, the page layout's name, a blake2b checksum of the tensor bytes.
 The fingerprint directory keeps donors of another model, dtype, block size or parallel layout
 apart; a file of another page layout is refused when it is loaded.
 
@@ -46,6 +47,7 @@ class DonorHeader:
     layer_names: list[str]
     layout: str
     checksum: str
+    num_prompt_tokens: int | None = None  # of token_ids (None: all)
 
 
 def persist_root(persist_dir: str | None, geometry) -> Path | None:
@@ -73,6 +75,7 @@ def write(
     layer_names: list[str],
     layout: str,
     pages: torch.Tensor,
+    num_prompt_tokens: int | None = None,
 ) -> None:
     """Write a donor file atomically (temp file, fsync, rename)."""
     pages = pages.contiguous()
@@ -85,6 +88,8 @@ def write(
         "layout": layout,
         "checksum": checksum(pages),
     }
+    if num_prompt_tokens is not None:
+        meta["prompt_tokens"] = str(int(num_prompt_tokens))
     path.parent.mkdir(parents=True, exist_ok=True)
     # The writer in the name: a restart removes what a killed writer left (``stale_partials``)
     fd, tmp = temp_files.create(path.parent, _TMP_PREFIX, SUFFIX)
@@ -122,6 +127,7 @@ def read_header(path: Path) -> DonorHeader:
             layer_names=json.loads(meta["layer_names"]),
             layout=meta["layout"],
             checksum=meta["checksum"],
+            num_prompt_tokens=int(meta["prompt_tokens"]) if "prompt_tokens" in meta else None,
         )
     except CorruptDonorFile:
         raise

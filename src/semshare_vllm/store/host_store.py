@@ -205,7 +205,7 @@ class HostKVStore(DonorKVStore):
         disk after the worker cleared its store)."""
         if self._disk_q is not None:
             for key in keys:
-                self._disk_q.put(("delete", key, None, None))
+                self._disk_q.put(("delete", key, None, None, None))
 
     def clear(self) -> None:
         """A connector reset, or new weights: forget every donor, in memory and on disk, and
@@ -282,11 +282,18 @@ class HostKVStore(DonorKVStore):
         when none is queued)."""
         return self._backlog.room(nbytes)
 
-    def persist(self, key: DonorKey, token_ids: list[int], pages: torch.Tensor) -> None:
-        """Queue a write of the donor's pages (a tensor the caller no longer changes)."""
+    def persist(
+        self,
+        key: DonorKey,
+        token_ids: list[int],
+        pages: torch.Tensor,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Queue a write of the donor's pages (a tensor the caller no longer changes) and of how
+        many of its tokens were its prompt (None: all)."""
         if self._disk_q is not None and self.persist_root is not None:
             self._backlog.add(_nbytes(pages))
-            self._disk_q.put(("write", key, token_ids, pages))
+            self._disk_q.put(("write", key, token_ids, pages, num_prompt_tokens))
 
     def _path(self, key: DonorKey) -> Path | None:
         if self.persist_root is None:
@@ -300,7 +307,7 @@ class HostKVStore(DonorKVStore):
             try:
                 if op is None:
                     return
-                kind, key, token_ids, pages = op
+                kind, key, token_ids, pages, num_prompt_tokens = op
                 path = donor_file.donor_path(self._root, key.donor_id, self.tp_rank, self.tp_size)
                 if kind == "write":
                     donor_file.write(
@@ -311,6 +318,7 @@ class HostKVStore(DonorKVStore):
                         self.layer_names,
                         self.layout,
                         pages,
+                        num_prompt_tokens,
                     )
                 else:
                     path.unlink(missing_ok=True)

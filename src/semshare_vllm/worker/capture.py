@@ -112,7 +112,9 @@ class Captures:
             nbytes = len(job.pool_blocks) * kv.store.block_bytes
             if kv.store.persist_root is not None:
                 if kv.store.persist_room(nbytes):
-                    kv.store.persist(spec.key, spec.token_ids, pool[:, job.pool_blocks])  # a copy
+                    kv.store.persist(  # (the pages: a copy)
+                        spec.key, spec.token_ids, pool[:, job.pool_blocks], spec.num_prompt_tokens
+                    )
                 else:  # the disk is behind: this donor stays memory-only
                     job.persist_skipped = True
             rows = None

@@ -20,6 +20,7 @@ def test_capture_then_claim_whole_blocks_leaving_one_token():
     assert finish(s, donor)[0] is True
     meta = s.build_connector_meta(None)
     assert [c.req_id for c in meta.captures] == ["done"] and len(meta.captures[0].token_ids) == 201
+    assert meta.captures[0].num_prompt_tokens == 200  # kept with the donor's file
     assert s.has_pending_block_frees()
     s.update_connector_output(
         SimpleNamespace(finished_sending={"done"}, kv_connector_worker_meta=None)
@@ -112,6 +113,30 @@ def test_restore_skips_truncated_and_foreign_files(tmp_path):
     assert s.get_num_new_matched_tokens(request("t", good + [1], salt="ns"), 0) == (64, False)
     other = request("t", list(range(500, 565)), salt="ns")
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+def test_a_restored_donor_keeps_its_prompt_apart_from_its_output(tmp_path):
+    """A donor is found and aligned by its prompt (its grams, its embedding, its alignment
+    features), not by the output it generated. Its file kept the token ids only, so after a
+    restart every token counted as its prompt: the same donor was found and aligned by text
+    it had generated. Files written before the prompt length was kept still restore (all of
+    their tokens the prompt, as before)."""
+    root = tmp_path / "fp"
+    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
+    tokens, prompt = list(range(64)), 50
+    donor_id = donor_id_for("ns", tokens)
+    path = donor_file.donor_path(root, donor_id, 0, 1)
+    donor_file.write(path, "ns", donor_id, tokens, list(LAYERS), "L", kv, num_prompt_tokens=prompt)
+    assert donor_file.read_header(path).num_prompt_tokens == prompt
+    older = list(range(100, 164))
+    older_id = donor_id_for("ns", older)
+    donor_file.write(
+        donor_file.donor_path(root, older_id, 0, 1), "ns", older_id, older, list(LAYERS), "L", kv
+    )
+    s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
+    assert s.stats.totals["donors_restored"] == 2
+    assert s.index.get(DonorKey("ns", donor_id)).prompt_token_ids == tokens[:prompt]
+    assert s.index.get(DonorKey("ns", older_id)).prompt_token_ids == older
 
 
 def test_a_connector_fault_never_reaches_the_request():

@@ -326,6 +326,25 @@ def test_a_repair_over_blocks_a_load_failed_to_write_is_not_run(monkeypatch):
     w.shutdown()
 
 
+def test_a_persisted_donor_keeps_its_prompt_length(monkeypatch, tmp_path):
+    """The capture carries how many of the donor's tokens were its prompt; its file keeps it,
+    so a restart finds and aligns the donor by its prompt, as before the restart."""
+    from semshare_vllm.store import donor_file
+
+    w = registered_worker(monkeypatch, persist_root=tmp_path)
+    key = DonorKey("", "d")
+    spec = CaptureSpec("a", key, list(range(40)), [1, 2], num_prompt_tokens=33)
+    w.start_load_kv(SemShareConnectorMetadata(captures=[spec]))
+    w.start_captures()
+    w.flush_captures()
+    w.get_finished({"a"})
+    w.kv.store.flush()
+    (path,) = tmp_path.iterdir()
+    header = donor_file.read_header(path)
+    assert header.token_ids == list(range(40)) and header.num_prompt_tokens == 33
+    w.shutdown()
+
+
 def test_a_reset_drops_every_donor_and_capture_and_persists_nothing_after(monkeypatch, tmp_path):
     """``SemShareConnectorMetadata.reset`` (vLLM reset the connector, e.g. around a weight
     update): the donors held, the capture in flight and the capture sent with the reset are all
