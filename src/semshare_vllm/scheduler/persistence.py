@@ -55,13 +55,12 @@ def restore(
             stats.add("persisted_skipped")
             continue
         n = len(header.token_ids)
-        prompt = header.num_prompt_tokens
         record = DonorRecord(
             DonorKey(header.namespace, header.donor_id),
             header.token_ids,
             geometry.donor_bytes(n),
             block_hashes(header.token_ids, geometry.block_size),
-            num_prompt_tokens=None if prompt is None else min(max(prompt, 1), n),
+            num_prompt_tokens=header.num_prompt_tokens,  # (checked: 1 .. n, or None)
         )
         catalog.evict(catalog.index.add(record))  # (one larger than the store: its file too)
         stats.add("donors_restored")

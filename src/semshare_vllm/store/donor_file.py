@@ -119,19 +119,27 @@ def read_header(path: Path) -> DonorHeader:
             raise CorruptDonorFile(f"{path}: {size} bytes, header promises {8 + n + end}")
         if meta.get("format") != FORMAT_VERSION or set(header) != {"pages"}:
             raise CorruptDonorFile(f"{path}: not a semshare donor file of format {FORMAT_VERSION}")
+        token_ids = json.loads(meta["token_ids"])
+        prompt = meta.get("prompt_tokens")
+        if prompt is not None:  # what ``write`` wrote: digits, at most the tokens
+            if not (isinstance(prompt, str) and prompt.isdecimal()):
+                raise CorruptDonorFile(f"{path}: prompt length {prompt!r}")
+            prompt = int(prompt)
+            if not 1 <= prompt <= len(token_ids):
+                raise CorruptDonorFile(f"{path}: prompt length {prompt} of {len(token_ids)}")
         return DonorHeader(
             path=path,
             namespace=meta["namespace"],
             donor_id=meta["donor_id"],
-            token_ids=json.loads(meta["token_ids"]),
+            token_ids=token_ids,
             layer_names=json.loads(meta["layer_names"]),
             layout=meta["layout"],
             checksum=meta["checksum"],
-            num_prompt_tokens=int(meta["prompt_tokens"]) if "prompt_tokens" in meta else None,
+            num_prompt_tokens=prompt,
         )
     except CorruptDonorFile:
         raise
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, struct.error) as exc:
         raise CorruptDonorFile(f"{path}: unreadable donor file ({exc})") from exc
 
 

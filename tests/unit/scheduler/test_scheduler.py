@@ -3,6 +3,7 @@
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
 import torch
 from support.scheduler import LAYERS, Blocks, finish, geometry, request
 
@@ -137,6 +138,37 @@ def test_a_restored_donor_keeps_its_prompt_apart_from_its_output(tmp_path):
     assert s.stats.totals["donors_restored"] == 2
     assert s.index.get(DonorKey("ns", donor_id)).prompt_token_ids == tokens[:prompt]
     assert s.index.get(DonorKey("ns", older_id)).prompt_token_ids == older
+
+
+@pytest.mark.parametrize("value", ["0", "65", "-3", "12.7", "abc", 1e999, True, 12])
+def test_a_donor_file_with_a_prompt_length_it_cannot_hold_is_skipped(tmp_path, value):
+    """Hand-made or corrupt: a prompt length that is not what ``write`` writes (digits, 1 to
+    the number of tokens) makes the file corrupt; the restore skips it and goes on (an
+    overflowing number, uncaught, would stop the whole restore)."""
+    import json
+    import struct
+
+    root = tmp_path / "fp"
+    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
+    tokens = list(range(64))
+    donor_id = donor_id_for("ns", tokens)
+    path = donor_file.donor_path(root, donor_id, 0, 1)
+    donor_file.write(path, "ns", donor_id, tokens, list(LAYERS), "L", kv, num_prompt_tokens=50)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"]["prompt_tokens"] = value
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(donor_file.CorruptDonorFile):
+        donor_file.read_header(path)
+    good = list(range(100, 164))
+    good_id = donor_id_for("ns", good)
+    donor_file.write(
+        donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good, list(LAYERS), "L", kv
+    )
+    s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
+    assert s.stats.totals["donors_restored"] == 1 and s.stats.totals["persisted_skipped"] == 1
 
 
 def test_a_connector_fault_never_reaches_the_request():
