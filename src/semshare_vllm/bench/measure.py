@@ -41,6 +41,9 @@ class Measured:
     # figures did not arrive): its recompute share, and whether the gate escalated it
     recompute_share: float | None = None
     escalated: bool | None = None
+    # what its gate estimated the tokens not recomputed still carried (None: no gate ran, or
+    # the figure did not arrive); against ``recompute_error_bound``
+    gate_residual: float | None = None
     # the connector claimed it, then declined its repair (``recompute_decline_share``): vLLM
     # computed the prompt, so it is no hit, and what trying cost shows in its TTFT
     declined: bool = False
@@ -144,8 +147,8 @@ def _served(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Completio
 def _repair_figures(m: "Measured", metrics: dict) -> None:
     """The served request's repair from the metrics' change over it (the bench sends one
     request at a time there): whether the gate escalated it, whether the repair was declined,
-    and the provenance's ``served_recompute_share`` histogram's one
-    observation (none for a declined load: vLLM computed it), and its time breakdown's (one
+    and the provenance's ``served_recompute_share`` and ``served_gate_residual`` histograms' one
+    observation each (none for a declined load: vLLM computed it), and its time breakdown's (one
     observation of each ``served_<part>_ms``, and of ``served_recompute_layer_ms`` per
     layer)."""
     before, after = metrics["before"], metrics["after"]
@@ -157,6 +160,8 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
         m.escalated = delta("recompute_escalated_loads") > 0
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
+    if delta("served_gate_residual_count") == 1:
+        m.gate_residual = delta("served_gate_residual_sum")
     m.declined = delta("recompute_declined") > 0
     for part in TIMINGS:
         if delta(f"served_{part}_ms_count") == 1:

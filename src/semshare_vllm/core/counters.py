@@ -144,6 +144,12 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "own KV (what the repair left)",
         (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5),
     ),
+    "served_gate_residual": (
+        "per repaired semantic hit under the adaptive policy with a gate: the error the gate "
+        "estimated the tokens not recomputed still carry (its last estimate; the bound is "
+        "recompute_error_bound)",
+        (0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.1),
+    ),
     # the hit's time breakdown (its provenance's ``timings_ms``)
     "served_search_ms": (
         "per request served from a donor: milliseconds it was held back (not scheduled) "

@@ -145,7 +145,7 @@ class Provenance:
             return
         if figures["recompute_share"] is not None:
             self.stats.observe("served_recompute_share", figures["recompute_share"])
-        for name in ("deviation_before", "deviation_after"):
+        for name in ("deviation_before", "deviation_after", "gate_residual"):
             if figures[name] is not None:
                 self.stats.observe(f"served_{name}", figures[name])
         for name, ms in figures["timings_ms"].items():

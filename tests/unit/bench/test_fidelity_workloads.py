@@ -272,6 +272,9 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
             "served_recompute_share_count": count,
             "recompute_escalated_loads": escalated,
             "recompute_gate_checks": gates,
+            # the gate's estimate, one observation per gated hit (here 0.01 each)
+            "served_gate_residual_sum": 0.01 * gates,
+            "served_gate_residual_count": gates,
         }
 
     a, b, c, d = (_measured("1985", "1985") for _ in range(4))
@@ -285,6 +288,12 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     assert (b.recompute_share, b.escalated) == (pytest.approx(1.0), True)
     assert (c.recompute_share, c.escalated) == (None, None)
     assert (d.recompute_share, d.escalated) == (None, True)
+    # what the gate estimated was left: the hit's one observation of its histogram
+    assert (a.gate_residual, b.gate_residual, c.gate_residual) == (
+        pytest.approx(0.01),
+        pytest.approx(0.01),
+        None,
+    )
     summary = report.summarize([a, b, c])["entity-swap"]
     assert summary["recompute_share_hits"] == pytest.approx(0.6)
     assert summary["escalation_rate_hits"] == pytest.approx(0.5)

@@ -125,6 +125,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
         1.0,
         0.3,
         0.1,
+        0.0151,  # the gate's estimate
         load_ms=12.34,
         recompute_ms=456.78,
         recompute_layer_ms=[300.04, 156.74],
@@ -134,6 +135,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
     got = params[KEY]  # the same outer dict vLLM put in the EngineCoreOutput
     assert got["repair_report"] == "received" and got["recompute_share"] == 1.0
     assert (got["deviation_before"], got["deviation_after"]) == (0.3, 0.1)
+    assert got["gate_residual"] == 0.0151
     # the hit's time breakdown: the worker's part comes with its figures
     assert sent["timings_ms"] == {"search": 0.0, "align": 0.0, "load": None, "recompute": None}
     assert got["timings_ms"] == {"search": 0.0, "align": 0.0, "load": 12.3, "recompute": 456.8}
@@ -143,6 +145,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
         "recompute_share",
         "deviation_before",
         "deviation_after",
+        "gate_residual",
         "repair_report",
         "timings_ms",
         "recompute_layers_ms",
@@ -153,6 +156,7 @@ def test_figures_reported_in_the_finishing_output_are_written_into_the_dict_vllm
         "served_recompute_share": [1.0],
         "served_deviation_before": [0.3],
         "served_deviation_after": [0.1],
+        "served_gate_residual": [0.0151],
         "served_search_ms": [0.0],
         "served_align_ms": [0.0],
         "served_load_ms": [12.3],

@@ -57,6 +57,7 @@ def test_histograms_reach_prometheus():
         "served_recompute_share",
         "served_deviation_before",
         "served_deviation_after",
+        "served_gate_residual",
         "served_search_ms",
         "served_align_ms",
         "served_load_ms",
