@@ -92,6 +92,15 @@ def test_bad_donor_reported_by_worker_is_forgotten():
     assert s.build_connector_meta(None).evictions == [key]
 
 
+def persisted(root, tokens, num_prompt_tokens=None):
+    """A donor file of ``tokens`` in namespace "ns" under ``root``: its id and path."""
+    donor_id = donor_id_for("ns", tokens)
+    path = donor_file.donor_path(root, donor_id, 0, 1)
+    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
+    donor_file.write(path, "ns", donor_id, tokens, list(LAYERS), "L", kv, num_prompt_tokens)
+    return donor_id, path
+
+
 def test_restore_skips_truncated_and_foreign_files(tmp_path):
     root = tmp_path / "fp"
     kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
@@ -122,18 +131,10 @@ def test_a_restored_donor_keeps_its_prompt_apart_from_its_output(tmp_path):
     restart every token counted as its prompt: the same donor was found and aligned by text
     it had generated. Files written before the prompt length was kept still restore (all of
     their tokens the prompt, as before)."""
-    root = tmp_path / "fp"
-    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
-    tokens, prompt = list(range(64)), 50
-    donor_id = donor_id_for("ns", tokens)
-    path = donor_file.donor_path(root, donor_id, 0, 1)
-    donor_file.write(path, "ns", donor_id, tokens, list(LAYERS), "L", kv, num_prompt_tokens=prompt)
+    tokens, prompt, older = list(range(64)), 50, list(range(100, 164))
+    donor_id, path = persisted(tmp_path / "fp", tokens, prompt)
     assert donor_file.read_header(path).num_prompt_tokens == prompt
-    older = list(range(100, 164))
-    older_id = donor_id_for("ns", older)
-    donor_file.write(
-        donor_file.donor_path(root, older_id, 0, 1), "ns", older_id, older, list(LAYERS), "L", kv
-    )
+    older_id, _ = persisted(tmp_path / "fp", older)
     s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
     assert s.stats.totals["donors_restored"] == 2
     assert s.index.get(DonorKey("ns", donor_id)).prompt_token_ids == tokens[:prompt]
@@ -148,12 +149,7 @@ def test_a_donor_file_with_a_prompt_length_it_cannot_hold_is_skipped(tmp_path, v
     import json
     import struct
 
-    root = tmp_path / "fp"
-    kv = torch.zeros(len(LAYERS), 2, 64, 2, 8)
-    tokens = list(range(64))
-    donor_id = donor_id_for("ns", tokens)
-    path = donor_file.donor_path(root, donor_id, 0, 1)
-    donor_file.write(path, "ns", donor_id, tokens, list(LAYERS), "L", kv, num_prompt_tokens=50)
+    _, path = persisted(tmp_path / "fp", list(range(64)), 50)
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
@@ -162,11 +158,7 @@ def test_a_donor_file_with_a_prompt_length_it_cannot_hold_is_skipped(tmp_path, v
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
     with pytest.raises(donor_file.CorruptDonorFile):
         donor_file.read_header(path)
-    good = list(range(100, 164))
-    good_id = donor_id_for("ns", good)
-    donor_file.write(
-        donor_file.donor_path(root, good_id, 0, 1), "ns", good_id, good, list(LAYERS), "L", kv
-    )
+    persisted(tmp_path / "fp", list(range(100, 164)))
     s = SemShareScheduler(SemShareConfig(persist_dir=str(tmp_path)), geometry())
     assert s.stats.totals["donors_restored"] == 1 and s.stats.totals["persisted_skipped"] == 1
 

@@ -37,13 +37,13 @@ def registered_worker(monkeypatch, persist_root=None):
     return w
 
 
-def captured_donor(w) -> DonorKey:
-    """Request "a"'s 40 tokens, in blocks 1 and 2, captured into the host pool and released
-    there (loads then read the pool): the donor's key."""
+def captured_donor(w, num_prompt_tokens: int | None = None) -> DonorKey:
+    """Request "a"'s 40 tokens (``num_prompt_tokens`` of them its prompt), in blocks 1 and 2,
+    captured into the host pool and released there (loads then read the pool): the donor's
+    key."""
     key = DonorKey("", "d")
-    w.start_load_kv(
-        SemShareConnectorMetadata(captures=[CaptureSpec("a", key, list(range(40)), [1, 2])])
-    )
+    spec = CaptureSpec("a", key, list(range(40)), [1, 2], num_prompt_tokens)
+    w.start_load_kv(SemShareConnectorMetadata(captures=[spec]))
     w.start_captures()
     w.flush_captures()
     w.get_finished({"a"})
@@ -332,12 +332,7 @@ def test_a_persisted_donor_keeps_its_prompt_length(monkeypatch, tmp_path):
     from semshare_vllm.store import donor_file
 
     w = registered_worker(monkeypatch, persist_root=tmp_path)
-    key = DonorKey("", "d")
-    spec = CaptureSpec("a", key, list(range(40)), [1, 2], num_prompt_tokens=33)
-    w.start_load_kv(SemShareConnectorMetadata(captures=[spec]))
-    w.start_captures()
-    w.flush_captures()
-    w.get_finished({"a"})
+    captured_donor(w, num_prompt_tokens=33)
     w.kv.store.flush()
     (path,) = tmp_path.iterdir()
     header = donor_file.read_header(path)
