@@ -150,7 +150,7 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     and the provenance's ``served_recompute_share`` and ``served_gate_residual`` histograms' one
     observation each (none for a declined load: vLLM computed it), and its time breakdown's (one
     observation of each ``served_<part>_ms``, and of ``served_recompute_layer_ms`` per
-    layer)."""
+    layer; of a declined load, of each ``declined_<part>_ms``: what trying cost)."""
     before, after = metrics["before"], metrics["after"]
 
     def delta(name: str) -> float:
@@ -163,9 +163,10 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     if delta("served_gate_residual_count") == 1:
         m.gate_residual = delta("served_gate_residual_sum")
     m.declined = delta("recompute_declined") > 0
+    side = "declined" if m.declined else "served"  # a declined load is no hit: apart
     for part in TIMINGS:
-        if delta(f"served_{part}_ms_count") == 1:
-            m.timings[part] = delta(f"served_{part}_ms_sum")
+        if delta(f"{side}_{part}_ms_count") == 1:
+            m.timings[part] = delta(f"{side}_{part}_ms_sum")
     if delta("served_recompute_whole_ms_count") == 1:
         m.recompute_whole_ms = delta("served_recompute_whole_ms_sum")
     layers = []

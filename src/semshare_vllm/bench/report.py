@@ -104,6 +104,9 @@ def summarize(results: list[Measured]) -> dict:
             if any(m.escalated is not None for m in hits)
             else None,
             "breakdown_hits_ms": _breakdown(hits),
+            # what the declined loads spent before vLLM computed their prompts ("vllm": that)
+            "breakdown_declined_ms": _breakdown(declined) if declined else None,
+            "semshare_declined": _ttft([m.served for m in declined]),
             "recompute_layers_hits_ms": _per_layer(hits),
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
@@ -157,11 +160,12 @@ def ceiling(share: float | None, layers: int | None) -> float | None:
 
 
 def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
-    """Medians over the hits of each part of their time the connector reports, and of what
-    is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and forward, the first
-    sample, the HTTP round trip), over the hits that reported every part it subtracts; and of
-    their time per output token (``tpot``: a decode step, one token's forward over the context,
-    the work of the prompt's last token, which vLLM computes itself in a hit, inside ``vllm``)."""
+    """Medians over the hits (or the declined loads) of each part of their time the connector
+    reports, and of what is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and
+    forward, the first sample, the HTTP round trip), over the hits that reported every part it
+    subtracts; and of their time per output token (``tpot``: a decode step, one token's
+    forward over the context, the work of the prompt's last token, which vLLM computes itself in
+    a hit, inside ``vllm``)."""
     out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
     out["recompute_whole"] = _median(m.recompute_whole_ms for m in hits)
     out["vllm"] = _median(
@@ -318,7 +322,9 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
     """Where the hits' time went: one row per context length and workload with hits (medians
     over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports; "TPOT",
     a decode step, is about what vLLM's own forward of the prompt's last token costs inside it;
-    then ``ceiling`` for the hits' recompute share, and the share of it their speed-up reached)."""
+    then ``ceiling`` for the hits' recompute share, and the share of it their speed-up reached);
+    and a row per workload with declined loads (medians over those: its "vLLM & rest" holds
+    vLLM's computation of the prompt)."""
     lines = [
         "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
         "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) | "
@@ -329,15 +335,21 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
         for name, s in by_workload.items():
             b = s.get("breakdown_hits_ms") or {}
             known = any(v is not None for v in b.values()) or s.get("ceiling_hits") is not None
-            if not s["hits"] or not known:
-                continue
-            parts = (*TIMINGS, "recompute_whole", "vllm", "tpot")
-            cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
-            hit = _fmt(s["semshare_hits"].get("median_ttft_ms"), ".0f", " ms")
-            top = _fmt(s.get("ceiling_hits"), ".1f", "x")
-            reached = _fmt(s.get("of_ceiling_hits"), ".2f")
-            lines.append(f"| {tokens:,} | {name} | {hit} | {cells} | {top} | {reached} |")
+            if s["hits"] and known:
+                top = _fmt(s.get("ceiling_hits"), ".1f", "x")
+                reached = _fmt(s.get("of_ceiling_hits"), ".2f")
+                cells = _breakdown_cells(b, s["semshare_hits"])
+                lines.append(f"| {tokens:,} | {name} | {cells} | {top} | {reached} |")
+            if s.get("breakdown_declined_ms"):
+                cells = _breakdown_cells(s["breakdown_declined_ms"], s["semshare_declined"])
+                lines.append(f"| {tokens:,} | {name}, declined | {cells} | - | - |")
     return "\n".join(lines)
+
+
+def _breakdown_cells(b: dict, ttft: dict) -> str:
+    parts = (*TIMINGS, "recompute_whole", "vllm", "tpot")
+    cells = " | ".join(_fmt(b.get(k), ".0f", " ms") for k in parts)
+    return f"{_fmt(ttft.get('median_ttft_ms'), '.0f', ' ms')} | {cells}"
 
 
 def layers_table(summaries: dict[int, dict[str, dict]]) -> str:

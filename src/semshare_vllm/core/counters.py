@@ -175,6 +175,28 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "every position (layer 0, the check layer's probe)",
         _MS_BUCKETS,
     ),
+    # what a declined load cost before vLLM computed the prompt (its provenance's
+    # ``timings_ms``, the recompute up to the decline)
+    "declined_search_ms": (
+        "per load the recompute gate declined: milliseconds its request was held back waiting "
+        "for its donor search",
+        _MS_BUCKETS,
+    ),
+    "declined_align_ms": (
+        "per load the recompute gate declined: milliseconds its request was held back waiting "
+        "for its alignment",
+        _MS_BUCKETS,
+    ),
+    "declined_load_ms": (
+        "per load the recompute gate declined: milliseconds the worker spent moving the donor "
+        "KV (or, beside the recompute's layer 0, what the recompute waited for it)",
+        _MS_BUCKETS,
+    ),
+    "declined_recompute_ms": (
+        "per load the recompute gate declined: milliseconds of its recompute up to the decline "
+        "(vLLM's computation of the prompt comes after)",
+        _MS_BUCKETS,
+    ),
 }
 
 

@@ -519,3 +519,35 @@ def test_a_declined_load_is_neither_hit_nor_miss_and_its_cost_is_reported():
     line = report.table({512: {"w": s}}).splitlines()[2]
     assert line.startswith("| 512 | w | 2 | 50% | 0% | 1 (1.25x) |")
     assert report.request_rows([declined])[0]["declined"] is True
+
+
+def test_what_a_declined_load_cost_is_broken_down():
+    """Declines cost 1.18-1.35x of cold at 794c053, and the bench could not say where: a
+    declined load's parts come from the connector's ``declined_<part>_ms`` histograms (its
+    ``served_`` ones see hits only), into the request's timings and the workload's
+    ``breakdown_declined_ms`` (what is left of its TTFT, ``vllm``, is vLLM computing the
+    prompt)."""
+    from semshare_vllm.bench import report
+    from semshare_vllm.bench.client import Completion
+    from semshare_vllm.bench.measure import Measured, _repair_figures
+
+    m = Measured(
+        W.BenchRequest("w", "g", "target", "prompt"),
+        cold=Completion("a", 1.0, 1.1, 0, 100),
+        served=Completion("a", 1.3, 1.4, 99, 100),
+        connector_tokens=99,
+    )
+    after = {"recompute_declined": 1, "recompute_escalated_loads": 1}
+    for part, ms in {"search": 20.0, "align": 10.0, "load": 5.0, "recompute": 215.0}.items():
+        after[f"declined_{part}_ms_count"], after[f"declined_{part}_ms_sum"] = 1, ms
+    _repair_figures(m, {"before": {}, "after": after})
+    assert m.declined and m.timings == {"search": 20, "align": 10, "load": 5, "recompute": 215}
+    s = report.summarize([m])["w"]
+    got = s["breakdown_declined_ms"]
+    assert {k: got[k] for k in ("search", "align", "load", "recompute")} == m.timings
+    assert got["vllm"] == pytest.approx(1300 - 250)
+    assert s["breakdown_hits_ms"]["recompute"] is None
+    assert report.request_rows([m])[0]["timings_ms"] == m.timings
+    rows = report.breakdown_table({2048: {"w": s}}).splitlines()[2:]
+    assert rows == ["| 2,048 | w, declined | 1300 ms | 20 ms | 10 ms | 5 ms | 215 ms | - | "
+                    "1050 ms | - | - | - |"]  # fmt: skip

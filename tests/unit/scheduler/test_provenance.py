@@ -250,3 +250,29 @@ def test_escalations_are_reported_and_a_donor_that_keeps_needing_them_is_demoted
     for _ in range(3):
         other.update_connector_output(output([RepairReport("nobody", 1, 1.0, escalations=2)]))
     assert "donors_demoted_by_escalation" not in other.stats.totals
+
+
+def test_a_declined_loads_time_is_observed_apart_from_the_hits():
+    """A load the gate declined is reported failed and vLLM computes the prompt: it is no hit,
+    so none of the ``served_*`` histograms sees it, but what trying cost (held back for the
+    search and the alignment, the move, the recompute up to the decline) is observed in the
+    ``declined_*_ms`` histograms, from the same figures its provenance returns."""
+    s = scheduler(recompute_policy="all")
+    r, load = admit(s, "t", DONOR[:150] + [1])
+    figures = RepairReport(
+        "t", load.seq, 0.4, 0.05, 0.01, 0.03, escalations=1, declined=True,
+        load_ms=12.34, recompute_ms=456.78, recompute_layer_ms=[300.0, 156.78],
+        recompute_whole_ms=300.0,
+    )  # fmt: skip
+    s.update_connector_output(output([figures], invalid=set(load.block_ids)))
+    got = end(s, r)[1][KEY]
+    assert got["declined"] is True and got["load_failed"] is True
+    assert got["gate_residual"] == 0.03 and got["escalations"] == 1
+    assert got["timings_ms"] == {"search": 0.0, "align": 0.0, "load": 12.3, "recompute": 456.8}
+    s.take_stats()
+    assert s.stats.observed == {
+        "declined_search_ms": [0.0],
+        "declined_align_ms": [0.0],
+        "declined_load_ms": [12.3],
+        "declined_recompute_ms": [456.8],
+    }

@@ -63,6 +63,10 @@ def test_histograms_reach_prometheus():
         "served_load_ms",
         "served_recompute_ms",
         "served_recompute_whole_ms",
+        "declined_search_ms",
+        "declined_align_ms",
+        "declined_load_ms",
+        "declined_recompute_ms",
     }
 
 
