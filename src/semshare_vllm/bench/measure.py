@@ -150,7 +150,8 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     and the provenance's ``served_recompute_share`` and ``served_gate_residual`` histograms' one
     observation each (none for a declined load: vLLM computed it), and its time breakdown's (one
     observation of each ``served_<part>_ms``, and of ``served_recompute_layer_ms`` per
-    layer; of a declined load, of each ``declined_<part>_ms``: what trying cost)."""
+    layer; of a declined load or a miss, of each ``declined_<part>_ms`` or ``missed_<part>_ms``:
+    what trying cost)."""
     before, after = metrics["before"], metrics["after"]
 
     def delta(name: str) -> float:
@@ -163,7 +164,10 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
     if delta("served_gate_residual_count") == 1:
         m.gate_residual = delta("served_gate_residual_sum")
     m.declined = delta("recompute_declined") > 0
-    side = "declined" if m.declined else "served"  # a declined load is no hit: apart
+    # a request is observed on one side: served from a donor, declined, or missed (every side
+    # observes its search wait)
+    sides = ("served", "declined", "missed")
+    side = next((s for s in sides if delta(f"{s}_search_ms_count") == 1), "served")
     for part in TIMINGS:
         if delta(f"{side}_{part}_ms_count") == 1:
             m.timings[part] = delta(f"{side}_{part}_ms_sum")

@@ -107,6 +107,9 @@ def summarize(results: list[Measured]) -> dict:
             # what the declined loads spent before vLLM computed their prompts ("vllm": that)
             "breakdown_declined_ms": _breakdown(declined) if declined else None,
             "semshare_declined": _ttft([m.served for m in declined]),
+            # what the misses waited for before vLLM computed them ("vllm": that)
+            "breakdown_misses_ms": _breakdown(misses, ("search", "align")) if misses else None,
+            "semshare_misses": _ttft([m.served for m in misses]),
             "recompute_layers_hits_ms": _per_layer(hits),
             "reference_perplexity_cold": _median(
                 math.exp(m.cold_nll) for m in rows if m.cold_nll is not None
@@ -159,11 +162,12 @@ def ceiling(share: float | None, layers: int | None) -> float | None:
     return layers / (1.25 + 0.75 * r + r * (layers - 2))
 
 
-def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
-    """Medians over the hits (or the declined loads) of each part of their time the connector
-    reports, and of what is left of the hit's TTFT besides (``vllm``: vLLM's own scheduling and
-    forward, the first sample, the HTTP round trip), over the hits that reported every part it
-    subtracts; and of their time per output token (``tpot``: a decode step, one token's
+def _breakdown(hits: list[Measured], parts=TIMINGS) -> dict[str, float | None]:
+    """Medians over the hits (or the declined loads, or the misses) of each part of their time
+    the connector reports, and of what is left of the hit's TTFT besides (``vllm``: vLLM's own
+    scheduling and forward, the first sample, the HTTP round trip), over the hits that reported
+    every part it subtracts (``parts``: a miss has no load or recompute); and of their time per
+    output token (``tpot``: a decode step, one token's
     forward over the context, the work of the prompt's last token, which vLLM computes itself in
     a hit, inside ``vllm``)."""
     out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
@@ -171,7 +175,7 @@ def _breakdown(hits: list[Measured]) -> dict[str, float | None]:
     out["vllm"] = _median(
         m.served.ttft_s * 1e3 - sum(m.timings.values())
         for m in hits
-        if all(part in m.timings for part in TIMINGS)
+        if all(part in m.timings for part in parts)
     )
     out["tpot"] = _median_tpot_ms(m.served for m in hits)
     return out
@@ -323,8 +327,8 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
     over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports; "TPOT",
     a decode step, is about what vLLM's own forward of the prompt's last token costs inside it;
     then ``ceiling`` for the hits' recompute share, and the share of it their speed-up reached);
-    and a row per workload with declined loads (medians over those: its "vLLM & rest" holds
-    vLLM's computation of the prompt)."""
+    and a row per workload with declined loads, and one with misses (medians over those: their
+    "vLLM & rest" holds vLLM's computation of the prompt)."""
     lines = [
         "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
         "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) | "
@@ -340,9 +344,12 @@ def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
                 reached = _fmt(s.get("of_ceiling_hits"), ".2f")
                 cells = _breakdown_cells(b, s["semshare_hits"])
                 lines.append(f"| {tokens:,} | {name} | {cells} | {top} | {reached} |")
-            if s.get("breakdown_declined_ms"):
-                cells = _breakdown_cells(s["breakdown_declined_ms"], s["semshare_declined"])
-                lines.append(f"| {tokens:,} | {name}, declined | {cells} | - | - |")
+            for kind in ("declined", "misses"):
+                b = s.get(f"breakdown_{kind}_ms")
+                if b and b["search"] is not None:  # (a server that reports them)
+                    cells = _breakdown_cells(b, s[f"semshare_{kind}"])
+                    label = "missed" if kind == "misses" else kind
+                    lines.append(f"| {tokens:,} | {name}, {label} | {cells} | - | - |")
     return "\n".join(lines)
 
 

@@ -175,6 +175,17 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "every position (layer 0, the check layer's probe)",
         _MS_BUCKETS,
     ),
+    # what a miss cost: its request held back for a donor that did not serve it
+    "missed_search_ms": (
+        "per request not served from a donor (opted out, nothing found, withheld, timed out): "
+        "milliseconds it was held back waiting for its donor search",
+        _MS_BUCKETS,
+    ),
+    "missed_align_ms": (
+        "per request not served from a donor: milliseconds it was held back waiting for an "
+        "alignment that did not serve it",
+        _MS_BUCKETS,
+    ),
     # what a declined load cost before vLLM computed the prompt (its provenance's
     # ``timings_ms``, the recompute up to the decline)
     "declined_search_ms": (

@@ -141,12 +141,14 @@ class Provenance:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
 
     def _observe(self, figures: dict) -> None:
-        if figures["declined"]:  # no hit: only what trying cost, apart from the hits
+        # no hit: only what trying cost, apart from the hits (a miss: its waits for a donor)
+        side = "declined" if figures["declined"] else "missed"
+        if figures["declined"] or figures["served"] == "none":
             for name, ms in figures["timings_ms"].items():
                 if ms is not None:
-                    self.stats.observe(f"declined_{name}_ms", ms)
+                    self.stats.observe(f"{side}_{name}_ms", ms)
             return
-        if figures["served"] == "none" or figures["load_failed"]:
+        if figures["load_failed"]:
             return
         if figures["recompute_share"] is not None:
             self.stats.observe("served_recompute_share", figures["recompute_share"])

@@ -551,3 +551,31 @@ def test_what_a_declined_load_cost_is_broken_down():
     rows = report.breakdown_table({2048: {"w": s}}).splitlines()[2:]
     assert rows == ["| 2,048 | w, declined | 1300 ms | 20 ms | 10 ms | 5 ms | 215 ms | - | "
                     "1050 ms | - | - | - |"]  # fmt: skip
+
+
+def test_what_a_miss_waited_for_is_broken_down():
+    """Edit misses cost +5% to +29% of cold at 794c053 and the bench recorded nothing of why:
+    a miss's waits come from the connector's ``missed_<part>_ms`` histograms into its timings
+    and the workload's ``breakdown_misses_ms`` (what is left, ``vllm``, is vLLM's prefill)."""
+    from semshare_vllm.bench import report
+    from semshare_vllm.bench.client import Completion
+    from semshare_vllm.bench.measure import Measured, _repair_figures
+
+    m = Measured(
+        W.BenchRequest("w", "g", "target", "prompt"),
+        cold=Completion("a", 1.0, 1.1, 0, 100),
+        served=Completion("a", 1.2, 1.3, 0, 100),
+        connector_tokens=0,
+    )
+    after = {"missed_search_ms_count": 1, "missed_search_ms_sum": 180.0}
+    after |= {"missed_align_ms_count": 1, "missed_align_ms_sum": 0.0}
+    _repair_figures(m, {"before": {}, "after": after})
+    assert not m.claimed and m.timings == {"search": 180.0, "align": 0.0}
+    s = report.summarize([m])["w"]
+    assert s["miss_overhead"] == pytest.approx(0.2)
+    got = s["breakdown_misses_ms"]
+    assert (got["search"], got["align"], got["load"]) == (180.0, 0.0, None)
+    assert got["vllm"] == pytest.approx(1200 - 180)
+    rows = report.breakdown_table({2048: {"w": s}}).splitlines()[2:]
+    assert rows == ["| 2,048 | w, missed | 1200 ms | 180 ms | 0 ms | - | - | - | 1020 ms | - | "
+                    "- | - |"]  # fmt: skip

@@ -23,6 +23,8 @@ def scheduler(**config):
     assert finish(s, DONOR)[0] is True  # captured: a donor of 201 tokens
     s.build_connector_meta(None)
     s.update_connector_output(output(finished_sending={"done"}))
+    assert s.stats.observed.pop("missed_search_ms") == [0.0]  # the donor was a miss itself
+    assert s.stats.observed.pop("missed_align_ms") == [0.0]
     return s
 
 
@@ -53,6 +55,7 @@ def test_a_miss_and_an_exact_hit():
     s = scheduler()
     miss, load = admit(s, "m", list(range(1000, 1100)))
     assert load is None
+    s.requests["m"].search_wait_ms = 37.46  # held back for a search that found nothing
     delay, params = end(s, miss)
     assert delay is True  # a new donor: vLLM keeps its blocks, as before
     assert params == {
@@ -74,8 +77,8 @@ def test_a_miss_and_an_exact_hit():
             "preemptions": 0,
             "escalations": 0,
             "declined": False,
-            # nothing to search (no donor yet), nothing loaded
-            "timings_ms": {"search": 0.0, "align": 0.0, "load": None, "recompute": None},
+            # nothing loaded
+            "timings_ms": {"search": 37.5, "align": 0.0, "load": None, "recompute": None},
             "recompute_layers_ms": None,
             "recompute_whole_ms": None,
         }
@@ -85,8 +88,11 @@ def test_a_miss_and_an_exact_hit():
     assert (got["served"], got["exact_tokens"], got["vllm_cached_tokens"]) == ("exact", 64, 64)
     assert got["recompute_share"] == 0.0 and got["repair_report"] is None  # exact KV as is
     s.take_stats()
-    # misses are not observed; an exact hit reports no worker time (only repairs do)
+    # a miss's waits are observed apart from the hits' (what a miss cost: issue 21 asks it be
+    # nothing); an exact hit reports no worker time (only repairs do)
     assert s.stats.observed == {
+        "missed_search_ms": [37.5],
+        "missed_align_ms": [0.0],
         "served_recompute_share": [0.0],
         "served_search_ms": [0.0],
         "served_align_ms": [0.0],

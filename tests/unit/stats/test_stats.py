@@ -63,6 +63,8 @@ def test_histograms_reach_prometheus():
         "served_load_ms",
         "served_recompute_ms",
         "served_recompute_whole_ms",
+        "missed_search_ms",
+        "missed_align_ms",
         "declined_search_ms",
         "declined_align_ms",
         "declined_load_ms",
