@@ -41,6 +41,9 @@ class Measured:
     # figures did not arrive): its recompute share, and whether the gate escalated it
     recompute_share: float | None = None
     escalated: bool | None = None
+    # how many times its gate found the error left above the bound (each time, it widened the
+    # recompute or declined: a decline at 2 came after a second pass)
+    escalations: int | None = None
     # what its gate estimated the tokens not recomputed still carried (None: no gate ran, or
     # the figure did not arrive); against ``recompute_error_bound``
     gate_residual: float | None = None
@@ -159,6 +162,7 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
 
     if delta("recompute_gate_checks") or delta("recompute_escalated_loads"):
         m.escalated = delta("recompute_escalated_loads") > 0
+        m.escalations = int(delta("recompute_escalations"))
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
     if delta("served_gate_residual_count") == 1:

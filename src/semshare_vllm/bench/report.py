@@ -257,6 +257,7 @@ def request_rows(results: list[Measured]) -> list[dict]:
             "perplexity_ratio": m.perplexity_ratio,
             "recompute_share": m.recompute_share,
             "escalated": m.escalated,
+            "escalations": m.escalations,
             "gate_residual": m.gate_residual,
             "timings_ms": m.timings or None,
             "recompute_whole_ms": m.recompute_whole_ms,

@@ -266,11 +266,12 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     and whether the gate escalated it; per workload, their median and rate over the hits."""
     from semshare_vllm.bench.measure import _repair_figures
 
-    def metrics(share_sum, count, escalated, gates):
+    def metrics(share_sum, count, escalated, gates, widenings=None):
         return {
             "served_recompute_share_sum": share_sum,
             "served_recompute_share_count": count,
             "recompute_escalated_loads": escalated,
+            "recompute_escalations": escalated if widenings is None else widenings,
             "recompute_gate_checks": gates,
             # the gate's estimate, one observation per gated hit (here 0.01 each)
             "served_gate_residual_sum": 0.01 * gates,
@@ -283,11 +284,13 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     # two shares observed in between: no share is attributed (no gate ran: not known either)
     _repair_figures(c, {"before": metrics(2.2, 6, 3, 7), "after": metrics(3.0, 8, 3, 7)})
     # declined: escalated, and no share observed (vLLM computed it)
-    _repair_figures(d, {"before": metrics(3.0, 8, 3, 7), "after": metrics(3.0, 8, 4, 8)})
-    assert (a.recompute_share, a.escalated) == (pytest.approx(0.2), False)
-    assert (b.recompute_share, b.escalated) == (pytest.approx(1.0), True)
-    assert (c.recompute_share, c.escalated) == (None, None)
-    assert (d.recompute_share, d.escalated) == (None, True)
+    # (its gate widened it once, then declined at the second: where its time went)
+    _repair_figures(d, {"before": metrics(3.0, 8, 3, 7), "after": metrics(3.0, 8, 4, 8, 5)})
+    assert (a.recompute_share, a.escalated, a.escalations) == (pytest.approx(0.2), False, 0)
+    assert (b.recompute_share, b.escalated, b.escalations) == (pytest.approx(1.0), True, 1)
+    assert (c.recompute_share, c.escalated, c.escalations) == (None, None, None)
+    assert (d.recompute_share, d.escalated, d.escalations) == (None, True, 2)
+    assert report.request_rows([d])[0]["escalations"] == 2
     # what the gate estimated was left: the hit's one observation of its histogram
     assert (a.gate_residual, b.gate_residual, c.gate_residual) == (
         pytest.approx(0.01),
