@@ -228,8 +228,9 @@ class Adaptive(Selection):
       error of every position left (``gate_residual``: the weight left times the sentinels'
       weighted mean deviation). Above ``bound`` the selection escalates (``Escalate``): first
       to as many positions (in the check layer's order) as leave little enough weight for
-      that mean deviation to stay under ``bound``, with new sentinels; if the gate fails again,
-      to every candidate. Without a gate layer, the check layer's choice stands.
+      that mean deviation, plus ``ESCALATION_Z`` of its standard errors, to stay under
+      ``bound``, with new sentinels; if the gate fails again, to every candidate. Without a
+      gate layer, the check layer's choice stands.
     * Decline: a choice that would recompute more than ``decline_share`` of the candidates is
       not run, whether the check layer's first or an escalation's; the load is declined
       (``Decline``) and vLLM computes the prompt, which is cheaper than the runner redoing most
@@ -237,6 +238,10 @@ class Adaptive(Selection):
     """
 
     CHECK_TO_GATE = 8.0  # what the error left grew from layer 1 to 8 (median, real pairs)
+    # An escalation is sized for the sentinels' mean deviation plus this many of its standard
+    # errors: sized for the mean itself, the second gate's estimate lands about on the bound,
+    # and a second failure is a decline after a whole second pass
+    ESCALATION_Z = 1.0
 
     def __init__(
         self,
@@ -341,7 +346,7 @@ class Adaptive(Selection):
         weight = self._weights(probe.attention)
         sent = np.isin(idx, self._sentinels)
         w_sent = weight[idx[sent]]
-        mean_dev = float((w_sent * dev[sent]).sum() / max(w_sent.sum(), 1e-12))
+        mean_dev, upper = _weighted_mean_upper(dev[sent], w_sent, self.ESCALATION_Z)
         left = np.ones(len(self.candidates), dtype=bool)
         left[self._kept] = False
         self.gate_residual = float(weight[left].sum() * mean_dev)
@@ -351,8 +356,8 @@ class Adaptive(Selection):
         self.escalations += 1
         if self.escalations == 1 and mean_dev > 0:
             # keep, in the check layer's order, until the weight left times that mean
-            # deviation is under the bound
-            count = _first_at_most(_left_after(weight[self._order]), self.bound / mean_dev)
+            # deviation's upper bound is under the bound
+            count = _first_at_most(_left_after(weight[self._order]), self.bound / upper)
             if count > len(self._kept) - len(self._forced):
                 if self._too_many(count):
                     return self._decline()
@@ -369,6 +374,19 @@ class Adaptive(Selection):
         self.declined = True
         self._sentinels = np.zeros(0, dtype=np.int64)
         return Decline()
+
+
+def _weighted_mean_upper(values: np.ndarray, weights: np.ndarray, z: float) -> tuple[float, float]:
+    """The ``weights``-weighted mean of ``values`` (a sample), and that mean plus ``z`` of its
+    standard errors (the sample's weighted spread; a heavy position drawn widens it)."""
+    total = float(weights.sum())
+    if total <= 0 or not len(values):
+        return 0.0, 0.0
+    p = weights / total
+    mean = float((p * values).sum())
+    n = len(values)
+    var = float((p**2 * (values - mean) ** 2).sum()) * n / (n - 1) if n > 1 else 0.0
+    return mean, mean + z * var**0.5
 
 
 def _left_after(values: np.ndarray) -> np.ndarray:

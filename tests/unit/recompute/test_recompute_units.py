@@ -179,6 +179,33 @@ def test_adaptive_declines_an_escalation_past_its_decline_share():
     assert sel.wants_probe(3) == (False, False)
 
 
+def test_adaptive_sizes_an_escalation_for_its_samples_spread():
+    """Sized for the sentinels' mean deviation alone, an escalation left the second gate's
+    estimate about on the bound: traced on 2K and 4K rag-reorder, both second gates failed,
+    and each load was declined after a whole second pass (the bench's declines spent 16-32% of
+    cold's TTFT recomputing before the decision). Sized for the mean plus a standard error, a
+    sample whose mean is
+    carried by a few heavy positions escalates further, or where that passes the decline share,
+    is declined at the first gate."""
+
+    def first_gate(roots, decline_share=1.0):
+        sel, keep = checked()
+        sel.decline_share = decline_share
+        dev = np.zeros(len(keep))
+        dev[np.isin(keep, sel._sentinels)] = roots
+        return sel, sel.after_layer(probe(3, keep, dev**2, np.ones(100)))
+
+    flat = first_gate(np.full(10, 0.4))
+    heavy = first_gate(np.tile([0.0, 0.8], 5))  # the same mean, 0.4
+    assert flat[0].gate_residual == pytest.approx(heavy[0].gate_residual)
+    assert isinstance(flat[1], Escalate) and isinstance(heavy[1], Escalate)
+    assert len(heavy[0]._kept) > len(flat[0]._kept) >= 80  # a flat sample: sized as before
+    share = (len(flat[0]._kept) + 0.5) / 100  # the flat escalation fits it, the heavy one not
+    assert isinstance(first_gate(np.full(10, 0.4), share)[1], Escalate)
+    sel, out = first_gate(np.tile([0.0, 0.8], 5), share)
+    assert isinstance(out, Decline) and sel.declined and sel.escalations == 1
+
+
 def test_adaptive_declines_at_the_check_layer_when_its_first_choice_is_past_the_decline_share():
     # bound 0 at the check: every candidate would be kept -> declined there, before any pass on
     sel = adaptive(bound=0.0, decline_share=0.5)
