@@ -167,9 +167,8 @@ def _breakdown(hits: list[Measured], parts=TIMINGS) -> dict[str, float | None]:
     the connector reports, and of what is left of the hit's TTFT besides (``vllm``: vLLM's own
     scheduling and forward, the first sample, the HTTP round trip), over the hits that reported
     every part it subtracts (``parts``: a miss has no load or recompute); and of their time per
-    output token (``tpot``: a decode step, one token's
-    forward over the context, the work of the prompt's last token, which vLLM computes itself in
-    a hit, inside ``vllm``)."""
+    output token (``tpot``: a decode step, one token's forward over the context, the work of the
+    prompt's last token, which vLLM computes itself in a hit, inside ``vllm``)."""
     out = {part: _median(m.timings.get(part) for m in hits) for part in TIMINGS}
     out["recompute_whole"] = _median(m.recompute_whole_ms for m in hits)
     out["vllm"] = _median(

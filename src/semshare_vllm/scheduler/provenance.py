@@ -142,11 +142,12 @@ class Provenance:
 
     def _observe(self, figures: dict) -> None:
         # no hit: only what trying cost, apart from the hits (a miss: its waits for a donor)
-        side = "declined" if figures["declined"] else "missed"
         if figures["declined"] or figures["served"] == "none":
-            for name, ms in figures["timings_ms"].items():
-                if ms is not None:
-                    self.stats.observe(f"{side}_{name}_ms", ms)
+            side = "declined" if figures["declined"] else "missed"
+            parts = figures["timings_ms"] if figures["declined"] else ("search", "align")
+            for name in parts:
+                if figures["timings_ms"][name] is not None:
+                    self.stats.observe(f"{side}_{name}_ms", figures["timings_ms"][name])
             return
         if figures["load_failed"]:
             return
