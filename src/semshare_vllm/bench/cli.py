@@ -205,7 +205,7 @@ def bench(args: argparse.Namespace, endpoint: Endpoint, sizer: Sizer) -> int:
             break
     if summaries:
         print("\n" + report.table(summaries))
-        print("\nWhere the hits' time went (medians):\n" + report.breakdown_table(summaries))
+        print("\nWhere the time went (medians):\n" + report.breakdown_table(summaries))
         print("\nThe hits' recompute by layer (medians):\n" + report.layers_table(summaries))
     report.write_json(args.out, config, summaries, rows, complete=not interrupted)
     print(f"\nresults: {args.out}" + (" (interrupted: partial)" if interrupted else ""))

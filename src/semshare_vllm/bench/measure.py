@@ -17,9 +17,10 @@ from semshare_vllm.bench.client import Completion, Endpoint
 from semshare_vllm.bench.workloads import BenchRequest
 
 OPT_OUT = {"semshare": "off"}
-# The parts of a hit's time the connector reports (its provenance's ``timings_ms``, observed in
-# the ``served_<part>_ms`` histograms; they do not overlap): held back waiting for the donor
-# search, and for the alignment; moving the donor KV; recomputing.
+# The parts of a request's time the connector reports (its provenance's ``timings_ms``, observed
+# in the ``served_<part>_ms`` histograms for a hit, ``declined_`` / ``missed_`` ones otherwise;
+# they do not overlap): held back waiting for the donor search, and for the alignment; moving
+# the donor KV; recomputing (a miss: the first two only).
 TIMINGS = ("search", "align", "load", "recompute")
 
 
@@ -161,8 +162,11 @@ def _repair_figures(m: "Measured", metrics: dict) -> None:
         return after.get(name, 0) - before.get(name, 0)
 
     if delta("recompute_gate_checks") or delta("recompute_escalated_loads"):
-        m.escalated = delta("recompute_escalated_loads") > 0
-        m.escalations = int(delta("recompute_escalations"))
+        escalated = delta("recompute_escalated_loads")
+        m.escalated = escalated > 0
+        # every tensor-parallel rank counts both (vLLM sums the workers' stats): their ratio is
+        # the one load's own count
+        m.escalations = round(delta("recompute_escalations") / escalated) if escalated else 0
     if delta("served_recompute_share_count") == 1:
         m.recompute_share = delta("served_recompute_share_sum")
     if delta("served_gate_residual_count") == 1:

@@ -323,14 +323,15 @@ def table(summaries: dict[int, dict[str, dict]]) -> str:
 
 
 def breakdown_table(summaries: dict[int, dict[str, dict]]) -> str:
-    """Where the hits' time went: one row per context length and workload with hits (medians
+    """Where the time went: one row per context length and workload with hits (medians
     over its hits; "vLLM & rest" is the hit's TTFT less the parts the connector reports; "TPOT",
     a decode step, is about what vLLM's own forward of the prompt's last token costs inside it;
     then ``ceiling`` for the hits' recompute share, and the share of it their speed-up reached);
-    and a row per workload with declined loads, and one with misses (medians over those: their
-    "vLLM & rest" holds vLLM's computation of the prompt)."""
+    and one per context length and workload with declined loads, and one with misses (medians
+    over those, their TTFT in the first column: their "vLLM & rest" holds vLLM's computation of
+    the prompt)."""
     lines = [
-        "| context | workload | hit TTFT | waiting for search | waiting for alignment | load | "
+        "| context | workload | TTFT | waiting for search | waiting for alignment | load | "
         "recompute | of which layers run whole | vLLM & rest | TPOT (a decode step) | "
         "ceiling for the share | of it |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -126,7 +126,9 @@ COUNTERS: dict[str, str] = {
 _MS_BUCKETS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0)
 
 # Every histogram: what one observation is, and its buckets' upper bounds. One observation per
-# request served from a donor, with the figures its provenance reports (``scheduler/provenance``).
+# finished request, from the figures its provenance reports (``scheduler/provenance``): the
+# ``served_`` ones for a request served from a donor, the ``declined_`` ones for a load the gate
+# declined, the ``missed_`` ones for a request no donor served (a failed load: none).
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "served_recompute_share": (
         "per request served from a donor: the share of its served tokens' layer work that was "

@@ -382,9 +382,9 @@ def _weighted_mean_upper(values: np.ndarray, weights: np.ndarray, z: float) -> t
     total = float(weights.sum())
     if total <= 0 or not len(values):
         return 0.0, 0.0
-    p = weights / total
-    mean = float((p * values).sum())
-    n = len(values)
+    mean = float((weights * values).sum() / total)  # (as the gate always took it: bit for bit)
+    p, n = weights / total, len(values)
+    # (one value: no spread to measure, the mean itself)
     var = float((p**2 * (values - mean) ** 2).sum()) * n / (n - 1) if n > 1 else 0.0
     return mean, mean + z * var**0.5
 

@@ -291,6 +291,10 @@ def test_the_repair_each_hit_got_is_read_from_the_connectors_metrics():
     assert (c.recompute_share, c.escalated, c.escalations) == (None, None, None)
     assert (d.recompute_share, d.escalated, d.escalations) == (None, True, 2)
     assert report.request_rows([d])[0]["escalations"] == 2
+    # under tensor parallelism every rank counts (vLLM sums the workers' stats): the same load
+    e = _measured("1985", "1985")
+    _repair_figures(e, {"before": metrics(3.0, 8, 3, 7), "after": metrics(3.0, 8, 5, 9, 7)})
+    assert (e.escalated, e.escalations) == (True, 2)
     # what the gate estimated was left: the hit's one observation of its histogram
     assert (a.gate_residual, b.gate_residual, c.gate_residual) == (
         pytest.approx(0.01),
