@@ -461,22 +461,29 @@ def test_the_endpoint_names_the_servers_cache_configuration(monkeypatch):
     assert cli._describe({}) == "cache configuration not reported"
 
 
+def measured_target(served_s: float, cached: int, connector: int):
+    """A measured target of 100 prompt tokens: cold took 1 s to its first token, the served
+    request ``served_s`` with ``cached`` tokens cached, ``connector`` of them claimed by us."""
+    from semshare_vllm.bench.client import Completion
+    from semshare_vllm.bench.measure import Measured
+
+    return Measured(
+        W.BenchRequest("w", "g", "target", "prompt"),
+        cold=Completion("a", 1.0, 1.1, 0, 100),
+        served=Completion("a", served_s, served_s + 0.1, cached, 100),
+        connector_tokens=connector,
+    )
+
+
 def test_a_prompt_served_by_vllms_own_cache_is_neither_hit_nor_miss():
     """With prefix caching on, vLLM serves the next turn of a chat from its own cache: the
     served request's cached tokens come from vLLM, not the connector. Counted as a miss, its
     speed-up read as a negative miss overhead of ours."""
     from semshare_vllm.bench import report
-    from semshare_vllm.bench.client import Completion
-    from semshare_vllm.bench.measure import Measured
 
-    def target(served_cached: int, connector: int) -> Measured:
-        request = W.BenchRequest("w", "g", "target", "prompt")
-        return Measured(
-            request,
-            cold=Completion("a", 1.0, 1.1, 0, 100),
-            served=Completion("a", 0.2 if served_cached else 1.02, 0.3, served_cached, 100),
-            connector_tokens=connector,
-        )
+    def target(served_cached: int, connector: int):
+        served_s = 0.2 if served_cached else 1.02
+        return measured_target(served_s, served_cached, connector)
 
     by_vllm, hit, miss = target(96, 0), target(99, 99), target(0, 0)
     assert by_vllm.vllm_cached and not by_vllm.hit
@@ -494,16 +501,10 @@ def test_a_declined_load_is_neither_hit_nor_miss_and_its_cost_is_reported():
     the report said "hit rate 100%", "hits as cold 2 / 2" and a hit-only speed-up of 0.80x.
     A declined load is no hit: it is counted apart, with its TTFT over cold's."""
     from semshare_vllm.bench import report
-    from semshare_vllm.bench.client import Completion
-    from semshare_vllm.bench.measure import Measured, _repair_figures
+    from semshare_vllm.bench.measure import _repair_figures
 
-    def target(served_s: float, declined: int) -> Measured:
-        m = Measured(
-            W.BenchRequest("w", "g", "target", "prompt"),
-            cold=Completion("a", 1.0, 1.1, 0, 100),
-            served=Completion("a", served_s, served_s + 0.1, 99, 100),
-            connector_tokens=99,
-        )
+    def target(served_s: float, declined: int):
+        m = measured_target(served_s, 99, 99)
         counts = {"recompute_declined": declined, "recompute_escalated_loads": declined}
         _repair_figures(m, {"before": {}, "after": counts})
         return m
@@ -528,15 +529,9 @@ def test_what_a_declined_load_cost_is_broken_down():
     ``breakdown_declined_ms`` (what is left of its TTFT, ``vllm``, is vLLM computing the
     prompt)."""
     from semshare_vllm.bench import report
-    from semshare_vllm.bench.client import Completion
-    from semshare_vllm.bench.measure import Measured, _repair_figures
+    from semshare_vllm.bench.measure import _repair_figures
 
-    m = Measured(
-        W.BenchRequest("w", "g", "target", "prompt"),
-        cold=Completion("a", 1.0, 1.1, 0, 100),
-        served=Completion("a", 1.3, 1.4, 99, 100),
-        connector_tokens=99,
-    )
+    m = measured_target(1.3, 99, 99)
     after = {"recompute_declined": 1, "recompute_escalated_loads": 1}
     for part, ms in {"search": 20.0, "align": 10.0, "load": 5.0, "recompute": 215.0}.items():
         after[f"declined_{part}_ms_count"], after[f"declined_{part}_ms_sum"] = 1, ms
@@ -558,15 +553,9 @@ def test_what_a_miss_waited_for_is_broken_down():
     a miss's waits come from the connector's ``missed_<part>_ms`` histograms into its timings
     and the workload's ``breakdown_misses_ms`` (what is left, ``vllm``, is vLLM's prefill)."""
     from semshare_vllm.bench import report
-    from semshare_vllm.bench.client import Completion
-    from semshare_vllm.bench.measure import Measured, _repair_figures
+    from semshare_vllm.bench.measure import _repair_figures
 
-    m = Measured(
-        W.BenchRequest("w", "g", "target", "prompt"),
-        cold=Completion("a", 1.0, 1.1, 0, 100),
-        served=Completion("a", 1.2, 1.3, 0, 100),
-        connector_tokens=0,
-    )
+    m = measured_target(1.2, 0, 0)
     after = {"missed_search_ms_count": 1, "missed_search_ms_sum": 180.0}
     after |= {"missed_align_ms_count": 1, "missed_align_ms_sum": 0.0}
     _repair_figures(m, {"before": {}, "after": after})
