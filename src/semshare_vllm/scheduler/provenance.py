@@ -141,24 +141,27 @@ class Provenance:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
 
     def _observe(self, figures: dict) -> None:
-        # no hit: only what trying cost, apart from the hits (a miss: its waits for a donor)
-        if figures["declined"] or figures["served"] == "none":
-            side = "declined" if figures["declined"] else "missed"
-            parts = figures["timings_ms"] if figures["declined"] else ("search", "align")
-            for name in parts:
-                if figures["timings_ms"][name] is not None:
-                    self.stats.observe(f"{side}_{name}_ms", figures["timings_ms"][name])
+        # which histograms see it: a hit's, or, apart from them, what a declined load or a miss
+        # cost (a miss: its waits for a donor); a load that failed otherwise, none
+        timings, parts = figures["timings_ms"], figures["timings_ms"].keys()
+        if figures["declined"]:
+            side = "declined"
+        elif figures["served"] == "none":
+            side, parts = "missed", ("search", "align")
+        elif figures["load_failed"]:
             return
-        if figures["load_failed"]:
+        else:
+            side = "served"
+        for name in parts:
+            if timings[name] is not None:
+                self.stats.observe(f"{side}_{name}_ms", timings[name])
+        if side != "served":
             return
         if figures["recompute_share"] is not None:
             self.stats.observe("served_recompute_share", figures["recompute_share"])
         for name in ("deviation_before", "deviation_after", "gate_residual"):
             if figures[name] is not None:
                 self.stats.observe(f"served_{name}", figures[name])
-        for name, ms in figures["timings_ms"].items():
-            if ms is not None:
-                self.stats.observe(f"served_{name}_ms", ms)
         if figures["recompute_whole_ms"] is not None:
             self.stats.observe("served_recompute_whole_ms", figures["recompute_whole_ms"])
         if figures["recompute_layers_ms"] is not None:
