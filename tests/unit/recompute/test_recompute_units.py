@@ -182,11 +182,10 @@ def test_adaptive_declines_an_escalation_past_its_decline_share():
 def test_adaptive_sizes_an_escalation_for_its_samples_spread():
     """Sized for the sentinels' mean deviation alone, an escalation left the second gate's
     estimate about on the bound: traced on 2K and 4K rag-reorder, both second gates failed,
-    and each load was declined after a whole second pass (the bench's declines spent 16-32% of
+    and each load was declined after a whole second pass (the bench's declines spent 15-35% of
     cold's TTFT recomputing before the decision). Sized for the mean plus a standard error, a
-    sample whose mean is
-    carried by a few heavy positions escalates further, or where that passes the decline share,
-    is declined at the first gate."""
+    sample whose mean is carried by a few heavy positions escalates further, or where that
+    passes the decline share, is declined at the first gate."""
 
     def first_gate(roots, decline_share=1.0):
         sel, keep = checked()
